@@ -1,0 +1,85 @@
+"""The patch registry: every fix to megatron-core is a `Patch` registered here.
+
+A patch names the upstream issue it addresses and the megatron-core versions it targets,
+decides from behaviour (not only the version) whether it is needed, applies idempotently, and
+reports one status line at startup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import megatron.core
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchContext:
+    """What a patch may look at to decide whether it is needed."""
+
+    megatron_version: Version
+    cpu_backend: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    upstream: str  # upstream issue/PR, or "local" for behaviour this project adds
+    versions: str  # PEP 440 specifier of the megatron-core versions the patch targets
+    summary: str
+    # Returns None when the patch is needed, otherwise the reason it is not.
+    not_needed_because: Callable[[PatchContext], str | None]
+    apply: Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchStatus:
+    name: str
+    applied: bool
+    reason: str
+
+    def line(self) -> str:
+        verdict = "applied" if self.applied else "skipped"
+        return f"[megatron_patches] {self.name}: {verdict} ({self.reason})"
+
+
+_REGISTRY: dict[str, Patch] = {}
+_APPLIED: dict[str, PatchStatus] = {}
+
+
+def register(patch: Patch) -> Patch:
+    if patch.name in _REGISTRY and _REGISTRY[patch.name] is not patch:
+        raise ValueError(f"two patches are named {patch.name!r}")
+    _REGISTRY[patch.name] = patch
+    return patch
+
+
+def registered() -> list[Patch]:
+    return list(_REGISTRY.values())
+
+
+def current_context(cpu_backend: bool) -> PatchContext:
+    return PatchContext(Version(megatron.core.__version__), cpu_backend)
+
+
+def apply_patches(context: PatchContext) -> list[PatchStatus]:
+    """Applies every registered patch that is needed; calling it again changes nothing."""
+    statuses = []
+    for patch in _REGISTRY.values():
+        if patch.name in _APPLIED:
+            statuses.append(_APPLIED[patch.name])
+            continue
+        if context.megatron_version not in SpecifierSet(patch.versions):
+            status = PatchStatus(patch.name, False, f"targets megatron-core {patch.versions}, "
+                                 f"running {context.megatron_version}")
+        elif (reason := patch.not_needed_because(context)) is not None:
+            status = PatchStatus(patch.name, False, reason)
+        else:
+            patch.apply()
+            status = PatchStatus(patch.name, True, f"{patch.summary}; {patch.upstream}")
+        _APPLIED[patch.name] = status
+        statuses.append(status)
+    return statuses

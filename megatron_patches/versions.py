@@ -1,0 +1,26 @@
+"""The megatron-core versions this project supports, checked before anything else runs."""
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import megatron.core
+
+# 0.19.2 is the pinned default; 0.15.x is the legacy target where the ETP checkpoint bug lives.
+SUPPORTED = {"default": SpecifierSet("==0.19.2"), "legacy": SpecifierSet("~=0.15.0")}
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    pass
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """Returns 'default' or 'legacy' for the installed megatron-core; raises for anything else."""
+    found = Version(version or megatron.core.__version__)
+    for track, spec in SUPPORTED.items():
+        if found in spec:
+            return track
+    raise UnsupportedMegatronVersion(
+        f"megatron-core {found} is not supported: this launcher supports megatron-core 0.19.2 "
+        f"(default) and 0.15.x (legacy). Fix: run `bash scripts/setup.sh` (0.19.2) or "
+        f"`MCORE=legacy bash scripts/setup.sh` (0.15.x)."
+    )
