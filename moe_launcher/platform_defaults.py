@@ -6,6 +6,7 @@ reported with one log line saying why.
 
 import dataclasses
 import importlib.util
+import os
 
 import torch
 
@@ -60,6 +61,27 @@ def with_platform_defaults(argv: list[str], on_cpu: bool | None = None,
             added += default.flags
             lines.append(f"[pretrain_moe] default {' '.join(default.flags)}: {default.reason}")
     return argv + added, lines
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def with_logging_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
+    """megatron sends scalars (loss, throughput, ...) to wandb only through its TensorBoard
+    writer, so `--wandb-project` without `--tensorboard-dir` would log nothing but the config."""
+    if _flag_value(argv, "--wandb-project") is None or _flag_value(argv, "--tensorboard-dir"):
+        return argv, []
+    base = _flag_value(argv, "--wandb-save-dir") or _flag_value(argv, "--save") or "runs"
+    tensorboard_dir = os.path.join(base, "tensorboard")
+    return argv + ["--tensorboard-dir", tensorboard_dir], [
+        f"[pretrain_moe] default --tensorboard-dir {tensorboard_dir}: megatron logs scalars to "
+        f"wandb only through its TensorBoard writer"]
 
 
 def set_environment_defaults(argv: list[str], environ) -> list[str]:
