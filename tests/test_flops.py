@@ -112,3 +112,32 @@ def test_patch_replaces_megatron_flops_and_prints_them(capsys):
     expected = _model_flops(config, model, 128, causal_fraction=0.5)
     assert training.num_floating_point_operations(args, BATCH) == pytest.approx(expected)
     assert f"FLOPs per iteration: {int(expected)}\n" in capsys.readouterr().out
+
+
+def test_mfu_peaks_and_log_line():
+    from megatron_patches import mfu
+
+    assert mfu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert mfu.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert mfu.peak_tflops("NVIDIA GH200 480GB") == 989.0
+    assert mfu.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert mfu.peak_tflops("cpu") is None
+    line = " iteration       10/     100 | throughput per GPU (TFLOP/s/GPU): 494.5 | loss: 1.0 |"
+    logged, value = mfu.with_mfu(line, 989.0)
+    assert value == pytest.approx(0.5)
+    assert "(TFLOP/s/GPU): 494.5 | MFU: 50.0% | loss" in logged
+    assert mfu.with_mfu(line, None) == (line, None)
+
+
+def test_mfu_patch_says_once_on_cpu(capsys):
+    from megatron.training import training
+
+    from megatron_patches import mfu, registry  # noqa: F401  (importing mfu registers mfu-log)
+
+    statuses = {s.name: s for s in registry.apply_patches(registry.current_context(True))}
+    assert statuses["mfu-log"].applied
+    line = " iteration        1/      10 | throughput per GPU (TFLOP/s/GPU): 1.0 |"
+    training.print_rank_last(line)
+    training.print_rank_last(line)
+    out = capsys.readouterr().out
+    assert out.count("MFU: not reported") == 1 and out.count(line) == 2
