@@ -28,13 +28,13 @@ def main(argv: list[str]) -> None:
         cpu_backend.activate()
 
     from megatron_patches import registry
-    from moe_launcher.platform_defaults import with_platform_defaults
+    from moe_launcher.platform_defaults import set_environment_defaults, with_platform_defaults
 
     registry.load_patches()
     for status in registry.apply_patches(registry.current_context(cpu_backend=on_cpu)):
         log0(status.line())
     argv, default_lines = with_platform_defaults(argv, on_cpu=on_cpu)
-    for line in default_lines:
+    for line in default_lines + set_environment_defaults(argv, os.environ):
         log0(line)
 
     from megatron.core.enums import ModelType

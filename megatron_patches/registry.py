@@ -88,6 +88,7 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
 PATCH_MODULES = (
     "megatron_patches.dataset_helpers",
     "megatron_patches.local_norm_sequence_parallel",
+    "megatron_patches.distopt_torch_adam",
 )
 
 

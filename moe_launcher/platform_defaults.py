@@ -60,3 +60,15 @@ def with_platform_defaults(argv: list[str], on_cpu: bool | None = None,
             added += default.flags
             lines.append(f"[pretrain_moe] default {' '.join(default.flags)}: {default.reason}")
     return argv + added, lines
+
+
+def set_environment_defaults(argv: list[str], environ) -> list[str]:
+    """Sets environment variables megatron requires for this command line; returns log lines."""
+    lines = []
+    # megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP/CP without Megatron-FSDP (it orders
+    # the TP communication kernels before the GEMMs that depend on them); FSDP wants it unset.
+    if "--use-megatron-fsdp" not in argv and "CUDA_DEVICE_MAX_CONNECTIONS" not in environ:
+        environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        lines.append("[pretrain_moe] default CUDA_DEVICE_MAX_CONNECTIONS=1: megatron requires it "
+                     "for tensor/context parallelism")
+    return lines
