@@ -178,7 +178,9 @@ def test_aux_loss_is_averaged_over_moe_layers_built():
     assert census.moe_layers_with_mtp == 1
     statuses = {s.name: s for s in registry.apply_patches(registry.current_context(True))}
     assert statuses["moe-aux-loss-per-built-layer"].applied
-    layer_layout.record_census(census, argparse.Namespace(hybrid_layer_pattern=None), config)
+    args = argparse.Namespace(hybrid_layer_pattern=None, padded_vocab_size=cpu.VOCAB,
+                              micro_batch_size=2, seq_length=16, global_batch_size=2)
+    layer_layout.record_census(census, args, config)  # as the layer-census patch does
 
     cpu.train_step_loss(model, batch=2, seq_length=16)
     tracker = get_moe_metrics_tracker()
