@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron_patches.versions import check_megatron_version
+from megatron_patches.versions import UnsupportedMegatronVersion, check_megatron_version
 
 
 def log0(line: str) -> None:
@@ -56,4 +56,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UnsupportedMegatronVersion as error:
+        sys.exit(f"pretrain_moe: error: {error}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,16 +36,11 @@ class Run:
         return self
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(nproc: int, args: list[str], env: dict | None = None, timeout: int = 600,
            script: Path = REPO / "pretrain_moe.py") -> Run:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(script), *args]
+    # --standalone lets torchrun pick its own free rendezvous port (no races between runs).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": str(REPO), **(env or {})}
     done = subprocess.run(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,

@@ -18,8 +18,10 @@ LAYOUTS = {
                     "--sequence-parallel"]),
     "etp2-ep2": (4, ["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"]),
     "pp2-ep2": (4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    # ETP defaults to TP; EP2 x ETP2 x PP2 would need 8 ranks, so experts use ETP 1.
     "tp2-pp2-ep2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                        "--expert-model-parallel-size", "2", "--sequence-parallel"]),
+                        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                        "--sequence-parallel"]),
     "ep4-allgather": (4, ["--expert-model-parallel-size", "4",
                           "--moe-token-dispatcher-type", "allgather"]),
     "tp2-ep2-allgather": (4, ["--tensor-model-parallel-size", "2",
