@@ -109,7 +109,8 @@ def parse_megatron_flags(flags: list[str], world_size: int):
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
     with mock.patch.dict(os.environ, env), mock.patch.object(
-            sys, "argv", ["pretrain_moe.py", *flags]):
+            sys, "argv", ["pretrain_moe.py", *flags]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # argparse 'type' deprecation
         return parse_args()
 
 

@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2034
-# Tiny MoE GPT for a CPU smoke run (the default recipe): 4 ranks on one machine, about a minute
+# Tiny MoE GPT for a CPU smoke run (the default recipe): 4 ranks on 1 node (no GPU), about a minute
 # on 2 cores. 4 layers, hidden 128, 8 experts top-2 with all-to-all dispatch, sequence 128,
 # mock data, 20 iterations of global batch 16 (micro batch 2 x DP 4 x 2 accumulation steps),
 # EP2 (expert-DP 2), loss and throughput logged every iteration, a torch_dist checkpoint at
