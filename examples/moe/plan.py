@@ -3,10 +3,12 @@
 
     python examples/moe/plan.py --world-size 32 -- <megatron-LM flags...>
 
-Parses the flags with megatron's own parser (megatron.training.arguments.parse_args, so flag
-parsing is identical to the real run), checks the layout arithmetic against the world size,
-then runs megatron's validate_args on a simulated Hopper GPU, and prints the layout, the
-per-GPU parameter + optimizer memory estimate and the model FLOPs per token. Nothing is
+Adds the flags and environment pretrain_moe.py adds on a GPU node, parses them with megatron's
+own parser (megatron.training.arguments.parse_args, so flag parsing is identical to the real
+run), checks the layout arithmetic against the world size (the per-stage layer split with
+megatron_patches.layer_layout), runs megatron's validate_args and TransformerConfig checks on a
+simulated H100, and prints the layout, the per-GPU parameter + optimizer memory estimate and
+the model FLOPs (megatron_patches.flops, the same numbers the training log prints). Nothing is
 trained, no process group is created. Exits 1 (and names the flag and the fix) when the
 layout cannot run, 2 when the flags do not parse.
 
@@ -21,7 +23,6 @@ import copy
 import dataclasses
 import io
 import logging
-import math
 import os
 import sys
 import warnings
@@ -39,70 +40,26 @@ class PlanError(Exception):
     """A layout the world size cannot run; the message names the flag and the fix."""
 
 
-# --------------------------------------------------------------------------------------------
-# Layer split per pipeline stage. The project's megatron_patches.layer_layout (branch `layout`)
-# is the source of truth; the fallback below implements the same contract until it is merged.
-# --------------------------------------------------------------------------------------------
-try:  # pragma: no cover - depends on whether the `layout` branch is merged
-    from megatron_patches.layer_layout import LayerLayout, LayerLayoutError, validate_layer_layout
-
-    HAVE_LAYER_LAYOUT = True
-except ImportError:
-    HAVE_LAYER_LAYOUT = False
-
-    class LayerLayoutError(ValueError):
-        pass
-
-    @dataclasses.dataclass(frozen=True)
-    class LayerLayout:
-        num_layers: int
-        pipeline_parallel: int
-        virtual_pipeline: int | None
-        first_stage_layers: int | None
-        last_stage_layers: int | None
-
-        @classmethod
-        def from_args(cls, args) -> "LayerLayout":
-            return cls(args.num_layers, args.pipeline_model_parallel_size,
-                       args.virtual_pipeline_model_parallel_size,
-                       args.decoder_first_pipeline_num_layers,
-                       args.decoder_last_pipeline_num_layers)
-
-    def validate_layer_layout(layout: LayerLayout) -> list[int]:
-        pp, n = layout.pipeline_parallel, layout.num_layers
-        first, last = layout.first_stage_layers, layout.last_stage_layers
-        if pp == 1:
-            if first is not None or last is not None:
-                raise LayerLayoutError(
-                    "--decoder-first/last-pipeline-num-layers need "
-                    "--pipeline-model-parallel-size > 1; drop them or raise the pipeline size")
-            stages = [n]
-        else:
-            fixed = [x for x in (first, last) if x is not None]
-            middle_stages = pp - len(fixed)
-            rest = n - sum(fixed)
-            if any(x <= 0 for x in fixed) or rest < 0 or (middle_stages == 0 and rest != 0) or (
-                    middle_stages and rest % middle_stages):
-                raise LayerLayoutError(
-                    f"--num-layers {n} cannot be split over --pipeline-model-parallel-size {pp} "
-                    f"with --decoder-first-pipeline-num-layers {first} and "
-                    f"--decoder-last-pipeline-num-layers {last}: the remaining {rest} layers "
-                    f"must divide evenly over {middle_stages} middle stage(s)")
-            mid = rest // middle_stages if middle_stages else 0
-            stages = [first if first is not None else mid] + [mid] * (pp - 2) + [
-                last if last is not None else mid]
-        vpp = layout.virtual_pipeline
-        if vpp and vpp > 1 and any(s % vpp for s in stages):
-            raise LayerLayoutError(
-                f"layers per pipeline stage {stages} are not divisible by the {vpp} virtual "
-                f"stages per rank; fix --num-virtual-stages-per-pipeline-rank / "
-                f"--num-layers-per-virtual-pipeline-stage")
-        return stages
+from megatron_patches.flops import ModelShape, flops_per_batch  # noqa: E402
+from megatron_patches.layer_layout import (  # noqa: E402
+    LayerCensus, LayerLayout, LayerLayoutError, expected_moe_layers, validate_layer_layout)
+from moe_launcher.platform_defaults import (  # noqa: E402
+    set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
 
 # --------------------------------------------------------------------------------------------
 # Parsing with megatron's parser
 # --------------------------------------------------------------------------------------------
+def launcher_view(flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment pretrain_moe.py hands megatron on an H100 with Transformer
+    Engine: its platform and logging defaults, and its environment defaults."""
+    flags, _ = with_platform_defaults(list(flags), on_cpu=False, have_te=True)
+    flags, _ = with_logging_defaults(flags)
+    env = {k: v for k, v in os.environ.items() if k == "CUDA_DEVICE_MAX_CONNECTIONS"}
+    set_environment_defaults(flags, env)
+    return flags, env
+
+
 def parse_megatron_flags(flags: list[str], world_size: int):
     """megatron.training.arguments.parse_args on `flags`, as rank 0 of `world_size` ranks."""
     from megatron.training.arguments import parse_args
@@ -240,6 +197,10 @@ def check_layout(args) -> Layout:
             f"--global-batch-size {args.global_batch_size} is not divisible by "
             f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}; fix: make "
             f"--global-batch-size a multiple of {args.micro_batch_size * dp}")
+    if args.train_iters is not None and args.eval_interval is None:
+        raise PlanError("--eval-interval is unset: megatron 0.19.2 divides --train-iters by it "
+                        "when it builds the datasets (also with --eval-iters 0); fix: pass "
+                        "--eval-interval N")
     # Checkpoint format: Megatron-FSDP in 0.19.2 saves only fsdp_dtensor.
     if args.use_megatron_fsdp and args.ckpt_format != "fsdp_dtensor":
         raise PlanError(f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got "
@@ -250,19 +211,18 @@ def check_layout(args) -> Layout:
     # Layers per pipeline stage.
     vpp = _virtual_pipeline(args)
     pattern = moe_pattern(args)
-    if args.pipeline_model_parallel_layout is not None:
-        stages = [-1] * pp  # megatron's validate_args / TransformerConfig check explicit layouts
+    layer_layout = LayerLayout.from_args(args)
+    if layer_layout is None:
+        stages = [-1] * pp  # explicit layouts: megatron's validate_args/TransformerConfig check them
     else:
-        view = copy.copy(args)
-        view.virtual_pipeline_model_parallel_size = vpp
         try:
-            stages = list(validate_layer_layout(LayerLayout.from_args(view)))
+            stages = list(validate_layer_layout(layer_layout))
         except LayerLayoutError as exc:
             raise PlanError(str(exc)) from None
     return Layout(w, tp, pp, cp, dp, ep, etp, edp, vpp, stages, pattern)
 
 
-def run_megatron_validation(args) -> None:
+def run_megatron_validation(args, env: dict[str, str]):
     """megatron's own validate_args, then its TransformerConfig checks, on a copy of the args
     (simulated H100); failures become PlanError quoting megatron's message."""
     from megatron.training.arguments import validate_args
@@ -270,14 +230,17 @@ def run_megatron_validation(args) -> None:
 
     view = copy.deepcopy(args)
     out = io.StringIO()
-    with simulated_hopper(), warnings.catch_warnings(), contextlib.redirect_stdout(out):
+    environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    environ.update(env)
+    with simulated_hopper(), warnings.catch_warnings(), contextlib.redirect_stdout(out), \
+            mock.patch.dict(os.environ, environ, clear=True):
         warnings.simplefilter("ignore")
         try:
             validate_args(view, {})
         except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
             raise PlanError(f"megatron validate_args rejected the flags: {exc}") from None
         try:
-            core_transformer_config_from_args(view)
+            return view, core_transformer_config_from_args(view)
         except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
             raise PlanError(f"megatron TransformerConfig rejected the flags: {exc}") from None
 
@@ -299,8 +262,9 @@ class Counts:
 
 
 def padded_vocab(args) -> int:
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return int(math.ceil(args.vocab_size / multiple) * multiple)
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    return vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
 
 
 def count_parameters(args) -> Counts:
@@ -403,22 +367,18 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
     return Memory(dense, expert, part(low, shard_w), part(grad, shard_g), part(opt, shard_o))
 
 
-def flops_per_token(args, c: Counts, pattern: list[int]) -> int:
-    """Training FLOPs per token: 3 x forward; forward = 2 x active matmul weights (output layer
-    included, input embedding excluded) + attention scores and values over the full sequence
-    (2 x s x heads x (qk_dim + v_dim) per layer, not halved for the causal mask)."""
-    k = args.moe_router_topk if args.num_experts else 0
-    moe_layers = sum(pattern)
-    dense_layers = len(pattern) - moe_layers
-    matmul = (len(pattern) * (c.attention) + dense_layers * c.dense_mlp
-              + moe_layers * (c.shared + c.router + k * c.expert) + c.padded_vocab * args.hidden_size)
-    n = args.num_attention_heads
-    if args.multi_latent_attention:
-        qk_dim, v_dim = args.qk_head_dim + args.qk_pos_emb_head_dim, args.v_head_dim
-    else:
-        qk_dim = v_dim = args.kv_channels or args.hidden_size // n
-    attn = len(pattern) * 2 * args.seq_length * n * (qk_dim + v_dim)
-    return 3 * (2 * matmul + attn)
+def flops_per_iteration(args, config, layout: Layout) -> int:
+    """Model FLOPs of one global batch, computed by megatron_patches.flops exactly as the
+    training log's `FLOPs per iteration:` line, on the layer census the flags ask for."""
+    moe = expected_moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq)
+    stages = layout.stages if layout.stages[0] >= 0 else []
+    census = LayerCensus(dense=args.num_layers - moe, moe=moe, mtp=args.mtp_num_layers or 0,
+                         per_stage=stages)
+    shape = ModelShape.from_config(config, padded_vocab(args), args.micro_batch_size,
+                                   args.seq_length)
+    batch = args.global_batch_size
+    tokens = batch * args.seq_length
+    return int(flops_per_batch(shape, census, tokens, batch * args.seq_length ** 2))
 
 
 def human(n: float) -> str:
@@ -441,20 +401,25 @@ def size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= 0.1 * GIB else f"{nbytes / 1024**2:.1f} MiB"
 
 
-def plan(flags: list[str], world_size: int, gpu_memory_gib: float) -> int:
+def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
+         vocab_size_hint: int | None = None) -> int:
     quiet_imports()
+    flags, env = launcher_view(flags)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = parse_megatron_flags(flags, world_size)
     except SystemExit as exc:  # argparse already printed the offending flag
-        print(f"dry run: megatron's parser rejected the flags (exit {exc.code}); fix the flag "
-              f"named above", file=sys.stderr)
+        print(f"dry run FAILED: megatron's parser rejected the flags (exit {exc.code}); fix the "
+              f"flag named above", file=sys.stderr)
         return 2
+    if args.vocab_size is None:
+        args.vocab_size = vocab_size_hint  # a tokenizer's vocabulary; only for the estimates
     try:
-        if args.num_layers is None or args.hidden_size is None:
-            raise PlanError("--num-layers and --hidden-size are required")
+        if args.num_layers is None or args.hidden_size is None or args.vocab_size is None:
+            raise PlanError("--num-layers, --hidden-size and --vocab-size (or a vocab size hint "
+                            "for a tokenizer) are needed for the estimates")
         layout = check_layout(args)
-        run_megatron_validation(args)
+        validated, config = run_megatron_validation(args, env)
     except PlanError as exc:
         print(f"dry run FAILED: {exc}", file=sys.stderr)
         return 1
@@ -462,25 +427,26 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float) -> int:
     counts = count_parameters(args)
     total, active = totals(args, counts, layout.moe_pattern)
     mem = memory_per_gpu(args, counts, layout)
-    fpt = flops_per_token(args, counts, layout.moe_pattern)
-    tokens_per_iter = (args.global_batch_size or args.micro_batch_size * layout.dp) * args.seq_length
-    src = "megatron_patches.layer_layout" if HAVE_LAYER_LAYOUT else "built-in fallback"
+    flops = flops_per_iteration(validated, config, layout)
+    tokens = args.global_batch_size * args.seq_length
     print(layout.line())
-    print(f"[plan] stage split checked with {src}; megatron validate_args and "
-          f"TransformerConfig checks passed (simulated H100)")
+    print(f"[plan] layer split checked by megatron_patches.layer_layout; megatron validate_args "
+          f"and TransformerConfig accept the flags (simulated H100 with Transformer Engine"
+          f"{', ' + ' '.join(f'{k}={v}' for k, v in env.items()) if env else ''})")
     print(f"[plan] parameters: total {human(total)}, active per token {human(active)}; "
           f"{sum(layout.moe_pattern)} MoE + {args.num_layers - sum(layout.moe_pattern)} dense "
           f"layers, {args.num_experts or 0} experts top-{args.moe_router_topk}")
     print(f"[plan] per-GPU shard of the busiest stage, before DP/FSDP sharding: "
-          f"{human(mem.dense_params)} non-expert + "
-          f"{human(mem.expert_params)} expert parameters")
+          f"{human(mem.dense_params)} non-expert + {human(mem.expert_params)} expert parameters")
     kind = ("Megatron-FSDP " + args.data_parallel_sharding_strategy if args.use_megatron_fsdp
-            else "distributed optimizer" if args.use_distributed_optimizer else "replicated optimizer")
+            else "distributed optimizer" if args.use_distributed_optimizer
+            else "replicated optimizer")
     print(f"[plan] per-GPU memory ({kind}): weights {size(mem.weights)} + grads "
           f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
-    print(f"[plan] model FLOPs per token: {fpt} ({human(fpt)}); per iteration "
-          f"({tokens_per_iter} tokens): {fpt * tokens_per_iter}")
+    print(f"[plan] model FLOPs per token: {flops // tokens} ({human(flops / tokens)}; "
+          f"megatron_patches.flops, forward+backward, causal attention halved)")
+    print(f"FLOPs per iteration: {flops}")
     if mem.total > gpu_memory_gib * GIB:
         print(f"dry run FAILED: parameters + optimizer need {mem.total / GIB:.1f} GiB per GPU, "
               f"more than {gpu_memory_gib:g} GiB; fix: raise --expert-model-parallel-size / "
@@ -502,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks the command will run on (default: $WORLD_SIZE, $SLURM_NTASKS)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
                         help="memory of one GPU, for the fit check (default 80: H100 80GB)")
+    parser.add_argument("--vocab-size-hint", type=int, default=None,
+                        help="vocabulary size for the estimates when a tokenizer supplies it")
     opts, rest = parser.parse_known_args(argv)
-    return plan(rest + flags, opts.world_size, opts.gpu_memory_gib)
+    return plan(rest + flags, opts.world_size, opts.gpu_memory_gib, opts.vocab_size_hint)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ for arg in "$@"; do
   case $arg in
     --list) list_recipes; exit 0 ;;
     --dry-run) DRY_RUN=1 ;;
-    --print-args) DRY_RUN=print ;;  # ENV:recipe env, then the megatron flags; NUL-separated
+    --print-args) DRY_RUN=print ;;  # the resolved megatron flags, NUL-separated (for tests)
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | grep -v '^set' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) CLI_ARGS+=("$arg") ;;
   esac
@@ -75,7 +75,6 @@ NODES=1
 GPUS_PER_NODE=8
 VOCAB_SIZE=
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
-RECIPE_ENV=()
 IMPL_ARGS=()
 MODEL_ARGS=()
 LAYOUT_ARGS=()
@@ -84,10 +83,6 @@ TRAIN_ARGS=()
 source "$RECIPE_DIR/$RECIPE.sh"
 NODES=${env_nodes:-$NODES}
 GPUS_PER_NODE=${env_gpus:-$GPUS_PER_NODE}
-# Environment the recipe needs on every rank (srun and torchrun pass the environment on).
-if (( ${#RECIPE_ENV[@]} )); then
-  export "${RECIPE_ENV[@]}"
-fi
 
 if [[ -n "${DATA_PATH:-}" ]]; then
   [[ -n "$TOKENIZER_MODEL" ]] || die "DATA_PATH is set but recipe $RECIPE names no tokenizer; set TOKENIZER_MODEL"
@@ -119,15 +114,14 @@ fi
 show() { printf '%q ' "$@" | sed 's/ $//'; echo; }
 
 if [[ "$DRY_RUN" == print ]]; then
-  if (( ${#RECIPE_ENV[@]} )); then printf 'ENV:%s\0' "${RECIPE_ENV[@]}"; fi
   printf '%s\0' "${ARGS[@]}"
   exit 0
 fi
 if [[ "$DRY_RUN" == 1 ]]; then
   world=${SLURM_NTASKS:-$((NODES * GPUS_PER_NODE))}
-  echo "[train.sh] recipe $RECIPE: dry run for $world ranks ($NODES node(s) x $GPUS_PER_NODE)${RECIPE_ENV[*]:+, env ${RECIPE_ENV[*]}}"
+  echo "[train.sh] recipe $RECIPE: dry run for $world ranks ($NODES node(s) x $GPUS_PER_NODE)"
   echo "[train.sh] command: $(show "$PYTHON" pretrain_moe.py "${ARGS[@]}")"
-  exec "$PYTHON" examples/moe/plan.py --world-size "$world" -- "${ARGS[@]}"
+  exec "$PYTHON" examples/moe/plan.py --world-size "$world" ${VOCAB_SIZE:+--vocab-size-hint "$VOCAB_SIZE"} -- "${ARGS[@]}"
 fi
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
@@ -158,6 +152,6 @@ else
   PYTHON_CMD=()  # torch.distributed.run takes the script itself
 fi
 
-echo "[train.sh] command: ${RECIPE_ENV[*]:+${RECIPE_ENV[*]} }$(show "${LAUNCH[@]}" "${PYTHON_CMD[@]}" pretrain_moe.py "${ARGS[@]}")"
+echo "[train.sh] command: $(show "${LAUNCH[@]}" "${PYTHON_CMD[@]}" pretrain_moe.py "${ARGS[@]}")"
 [[ -f pretrain_moe.py ]] || die "pretrain_moe.py not found in $ROOT"
 exec "${LAUNCH[@]}" "${PYTHON_CMD[@]}" pretrain_moe.py "${ARGS[@]}"

@@ -6,9 +6,6 @@
 source "$RECIPE_DIR/_model_mixtral_8x7b.sh"
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_gpu_common.sh"
-# Megatron requires this with tensor parallelism on Hopper (kernel ordering for TP/SP overlap);
-# the FSDP recipes must not set it. train.sh exports RECIPE_ENV to every rank (and the dry run).
-RECIPE_ENV=(CUDA_DEVICE_MAX_CONNECTIONS=1)
 NODES=4
 GPUS_PER_NODE=8
 LAYOUT_ARGS=(

@@ -26,5 +26,5 @@ TRAIN_ARGS=(
   --micro-batch-size 2 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-20}"
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2
   --weight-decay 0.1 --clip-grad 1.0 --seed 1234
-  --save-interval "${SAVE_INTERVAL:-20}" --eval-iters 0
+  --save-interval "${SAVE_INTERVAL:-20}" --eval-iters 0 --eval-interval "${TRAIN_ITERS:-20}"
 )
