@@ -35,14 +35,19 @@ if str(ROOT) not in sys.path:
 
 GIB = 1024**3
 
+from moe_launcher import preflight  # noqa: E402
+from moe_launcher.preflight import Layout, PreflightError, moe_pattern  # noqa: E402,F401
 
-class PlanError(Exception):
+
+class PlanError(PreflightError):
     """A layout the world size cannot run; the message names the flag and the fix."""
+
+    def __init__(self, message: str, flag: str = ""):
+        super().__init__(flag, message)
 
 
 from megatron_patches.flops import ModelShape, flops_per_batch  # noqa: E402
-from megatron_patches.layer_layout import (  # noqa: E402
-    LayerCensus, LayerLayout, LayerLayoutError, expected_moe_layers, validate_layer_layout)
+from megatron_patches.layer_layout import LayerCensus, expected_moe_layers  # noqa: E402
 from moe_launcher.platform_defaults import (  # noqa: E402
     set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
@@ -95,131 +100,12 @@ def simulated_hopper():
 
 
 # --------------------------------------------------------------------------------------------
-# Layout arithmetic
+# Layout arithmetic: moe_launcher.preflight, the same checks pretrain_moe.py runs at startup
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Layout:
-    world: int
-    tp: int
-    pp: int
-    cp: int
-    dp: int
-    ep: int
-    etp: int
-    edp: int
-    vpp: int | None
-    stages: list[int]
-    moe_pattern: list[int]  # 1 = MoE layer, 0 = dense, one entry per layer
-
-    def line(self) -> str:
-        return (f"[layout] world={self.world} TP={self.tp} PP={self.pp} CP={self.cp} "
-                f"DP={self.dp} | EP={self.ep} ETP={self.etp} expert-DP={self.edp} | "
-                f"VPP={self.vpp or 1} | layers per stage: {','.join(map(str, self.stages))}")
-
-
-def _virtual_pipeline(args) -> int | None:
-    if args.num_virtual_stages_per_pipeline_rank is not None:
-        return args.num_virtual_stages_per_pipeline_rank
-    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size:
-        per_stage = args.num_layers // args.pipeline_model_parallel_size
-        return max(1, per_stage // args.num_layers_per_virtual_pipeline_stage)
-    return None
-
-
-def moe_pattern(args) -> list[int]:
-    if not args.num_experts:
-        return [0] * args.num_layers
-    freq = args.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
-    pattern = list(freq)
-    if len(pattern) != args.num_layers:
-        raise PlanError(f"--moe-layer-freq describes {len(pattern)} layers but --num-layers is "
-                        f"{args.num_layers}; make the pattern list {args.num_layers} long")
-    return pattern
-
-
 def check_layout(args) -> Layout:
-    """Raises PlanError naming the flag and the fix for the first arithmetic that fails."""
-    w = args.world_size
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
-    ep = args.expert_model_parallel_size
-    etp = args.expert_tensor_parallel_size or tp
-    model = tp * pp * cp
-    if w % model:
-        raise PlanError(
-            f"world size {w} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {model}; "
-            f"fix: run on a multiple of {model} GPUs (NODES x GPUS_PER_NODE) or change "
-            f"--pipeline-model-parallel-size/--tensor-model-parallel-size")
-    dp = w // model
-    # Expert grid: EP x ETP x expert-DP spans the same ranks as TP x CP x DP within a stage.
-    per_stage = w // pp
-    if per_stage % (ep * etp):
-        raise PlanError(
-            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
-            f"does not divide the {per_stage} ranks of a pipeline stage (world {w} / "
-            f"--pipeline-model-parallel-size {pp}); fix: choose --expert-model-parallel-size and "
-            f"--expert-tensor-parallel-size whose product divides {per_stage}, or run on more GPUs")
-    edp = per_stage // (ep * etp)
-    heads = args.num_attention_heads
-    if heads % tp:
-        raise PlanError(f"--num-attention-heads {heads} is not divisible by "
-                        f"--tensor-model-parallel-size {tp}; fix: use a TP that divides {heads}")
-    if args.group_query_attention and not args.multi_latent_attention:
-        groups = args.num_query_groups
-        if groups % tp:
-            raise PlanError(f"--num-query-groups {groups} is not divisible by "
-                            f"--tensor-model-parallel-size {tp}; fix: use a TP that divides "
-                            f"{groups}")
-    if args.num_experts:
-        if args.num_experts % ep:
-            raise PlanError(f"--num-experts {args.num_experts} is not divisible by "
-                            f"--expert-model-parallel-size {ep}; fix: use an EP that divides "
-                            f"{args.num_experts}")
-        ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        if ffn and ffn % etp:
-            raise PlanError(f"--moe-ffn-hidden-size {ffn} is not divisible by "
-                            f"--expert-tensor-parallel-size {etp}; fix: use an ETP that divides "
-                            f"{ffn}")
-    elif ep > 1:
-        raise PlanError("--expert-model-parallel-size > 1 needs --num-experts")
-    if args.ffn_hidden_size and args.ffn_hidden_size % tp:
-        raise PlanError(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
-                        f"--tensor-model-parallel-size {tp}")
-    if cp > 1 and args.seq_length % (2 * cp):
-        raise PlanError(f"--seq-length {args.seq_length} must be divisible by 2 x "
-                        f"--context-parallel-size {cp}")
-    if args.global_batch_size is not None and args.global_batch_size % (
-            args.micro_batch_size * dp):
-        raise PlanError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by "
-            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}; fix: make "
-            f"--global-batch-size a multiple of {args.micro_batch_size * dp}")
-    if args.train_iters is not None and args.eval_interval is None:
-        raise PlanError("--eval-interval is unset: megatron 0.19.2 divides --train-iters by it "
-                        "when it builds the datasets (also with --eval-iters 0); fix: pass "
-                        "--eval-interval N")
-    # Checkpoint format: Megatron-FSDP in 0.19.2 saves only fsdp_dtensor.
-    if args.use_megatron_fsdp and args.ckpt_format != "fsdp_dtensor":
-        raise PlanError(f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got "
-                        f"--ckpt-format {args.ckpt_format}); fix: pass --ckpt-format fsdp_dtensor")
-    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
-        raise PlanError("--ckpt-format fsdp_dtensor is only for --use-megatron-fsdp; fix: pass "
-                        "--use-megatron-fsdp or use --ckpt-format torch_dist")
-    # Layers per pipeline stage.
-    vpp = _virtual_pipeline(args)
-    pattern = moe_pattern(args)
-    layer_layout = LayerLayout.from_args(args)
-    if layer_layout is None:
-        stages = [-1] * pp  # explicit layouts: megatron's validate_args/TransformerConfig check them
-    else:
-        try:
-            stages = list(validate_layer_layout(layer_layout))
-        except LayerLayoutError as exc:
-            raise PlanError(str(exc)) from None
-    return Layout(w, tp, pp, cp, dp, ep, etp, edp, vpp, stages, pattern)
+    """Raises PreflightError (a PlanError here) naming the flag and the fix for the first
+    arithmetic that fails."""
+    return preflight.check_layout(args)
 
 
 def run_megatron_validation(args, env: dict[str, str]):
@@ -420,7 +306,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
                             "for a tokenizer) are needed for the estimates")
         layout = check_layout(args)
         validated, config = run_megatron_validation(args, env)
-    except PlanError as exc:
+    except PreflightError as exc:
         print(f"dry run FAILED: {exc}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,313 @@
+"""Preflight: refuse a command line that cannot run, before megatron validates or builds anything.
+
+pretrain_moe.py runs `check_environment()` first (before megatron is imported), then
+`check_args(args)` on the flags as megatron's parser reads them (`parse_args`, before
+`validate_args`, process groups and the model). Every refusal is a `PreflightError`: one line
+that names the flag and the fix; the launcher prints it once (rank 0) and exits with status 2,
+so nothing is initialised and nothing is written to --save.
+
+The layout arithmetic here is shared with the dry-run planner (examples/moe/plan.py), so the
+launcher and the planner refuse the same layouts with the same words.
+
+Checks are registered with `@preflight_check(name)` and run in registration order; the first
+refusal stops the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Callable
+
+EXIT_STATUS = 2
+
+
+class PreflightError(Exception):
+    """A command line or environment that cannot run. `flag` names what to change."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(message)
+        self.flag = flag
+
+    def line(self) -> str:
+        return f"pretrain_moe: error: {self}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightCheck:
+    name: str
+    run: Callable  # (args) -> None, raises PreflightError
+
+
+_CHECKS: dict[str, PreflightCheck] = {}
+
+
+def preflight_check(name: str):
+    def register(fn):
+        if name in _CHECKS and _CHECKS[name].run is not fn:
+            raise ValueError(f"two preflight checks are named {name!r}")
+        _CHECKS[name] = PreflightCheck(name, fn)
+        return fn
+    return register
+
+
+def registered_checks() -> list[str]:
+    return list(_CHECKS)
+
+
+# --------------------------------------------------------------------------------------------
+# Environment (runs before megatron is imported)
+# --------------------------------------------------------------------------------------------
+def check_environment(megatron_version: str | None = None) -> str:
+    """The megatron-core track ('default'/'legacy'); PreflightError for an unsupported install."""
+    from megatron_patches.versions import UnsupportedMegatronVersion, check_megatron_version
+
+    try:
+        return check_megatron_version(megatron_version)
+    except UnsupportedMegatronVersion as exc:
+        raise PreflightError("megatron-core", str(exc)) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Layout arithmetic (shared with examples/moe/plan.py)
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    vpp: int | None
+    stages: list[int]
+    moe_pattern: list[int]  # 1 = MoE layer, 0 = dense, one entry per layer
+
+    def line(self) -> str:
+        return (f"[layout] world={self.world} TP={self.tp} PP={self.pp} CP={self.cp} "
+                f"DP={self.dp} | EP={self.ep} ETP={self.etp} expert-DP={self.edp} | "
+                f"VPP={self.vpp or 1} | layers per stage: {','.join(map(str, self.stages))}")
+
+
+def _virtual_pipeline(args) -> int | None:
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        return max(1, per_stage // args.num_layers_per_virtual_pipeline_stage)
+    return None
+
+
+def moe_pattern(args) -> list[int]:
+    if not args.num_experts:
+        return [0] * args.num_layers
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
+    pattern = list(freq)
+    if len(pattern) != args.num_layers:
+        raise PreflightError("--moe-layer-freq",
+                             f"--moe-layer-freq describes {len(pattern)} layers but --num-layers "
+                             f"is {args.num_layers}; make the pattern list {args.num_layers} long")
+    return pattern
+
+
+def _sizes(args) -> tuple[int, int, int, int, int, int]:
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp  # megatron's default: ETP = TP
+    return args.world_size, tp, pp, cp, ep, etp
+
+
+@preflight_check("model-parallel-fits-world")
+def check_model_parallel(args) -> None:
+    w, tp, pp, cp, _, _ = _sizes(args)
+    model = tp * pp * cp
+    if w % model:
+        flag = ("--tensor-model-parallel-size" if tp > 1 else "--pipeline-model-parallel-size"
+                if pp > 1 else "--context-parallel-size")
+        raise PreflightError(flag,
+            f"world size {w} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {model}; "
+            f"fix: run on a multiple of {model} GPUs (NODES x GPUS_PER_NODE) or change "
+            f"--pipeline-model-parallel-size/--tensor-model-parallel-size")
+
+
+@preflight_check("expert-grid-fits-stage")
+def check_expert_grid(args) -> None:
+    # Expert grid: EP x ETP x expert-DP spans the same ranks as TP x CP x DP within a stage.
+    w, _, pp, _, ep, etp = _sizes(args)
+    per_stage = w // pp
+    if per_stage % (ep * etp):
+        raise PreflightError("--expert-model-parallel-size",
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
+            f"does not divide the {per_stage} ranks of a pipeline stage (world {w} / "
+            f"--pipeline-model-parallel-size {pp}); fix: choose --expert-model-parallel-size and "
+            f"--expert-tensor-parallel-size whose product divides {per_stage}, or run on more GPUs")
+
+
+@preflight_check("experts-split")
+def check_experts(args) -> None:
+    _, _, _, _, ep, etp = _sizes(args)
+    if args.num_experts:
+        if args.num_experts % ep:
+            raise PreflightError("--expert-model-parallel-size",
+                f"--num-experts {args.num_experts} is not divisible by "
+                f"--expert-model-parallel-size {ep}; fix: use an EP that divides "
+                f"{args.num_experts}")
+        ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        if ffn and ffn % etp:
+            raise PreflightError("--expert-tensor-parallel-size",
+                f"--moe-ffn-hidden-size {ffn} is not divisible by "
+                f"--expert-tensor-parallel-size {etp}; fix: use an ETP that divides {ffn}")
+        if etp > 1 and args.transformer_impl == "inference_optimized":
+            raise PreflightError("--expert-tensor-parallel-size",
+                "--transformer-impl inference_optimized has no expert tensor parallelism "
+                f"(--expert-tensor-parallel-size {etp}); fix: pass "
+                "--expert-tensor-parallel-size 1")
+    elif ep > 1:
+        raise PreflightError("--expert-model-parallel-size",
+                             f"--expert-model-parallel-size {ep} > 1 needs --num-experts; fix: "
+                             "pass --num-experts (a multiple of the EP size) or "
+                             "--expert-model-parallel-size 1")
+    elif args.expert_tensor_parallel_size and args.expert_tensor_parallel_size > 1:
+        raise PreflightError("--expert-tensor-parallel-size",
+                             "--expert-tensor-parallel-size > 1 without --num-experts; fix: drop "
+                             "it or pass --num-experts")
+
+
+@preflight_check("tensor-and-context-split")
+def check_tp_cp(args) -> None:
+    _, tp, _, cp, _, _ = _sizes(args)
+    heads = args.num_attention_heads
+    if heads and heads % tp:
+        raise PreflightError("--tensor-model-parallel-size",
+                             f"--num-attention-heads {heads} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; fix: use a TP that divides "
+                             f"{heads}")
+    if args.group_query_attention and not args.multi_latent_attention:
+        groups = args.num_query_groups
+        if groups % tp:
+            raise PreflightError("--tensor-model-parallel-size",
+                                 f"--num-query-groups {groups} is not divisible by "
+                                 f"--tensor-model-parallel-size {tp}; fix: use a TP that "
+                                 f"divides {groups}")
+    if args.ffn_hidden_size and args.ffn_hidden_size % tp:
+        raise PreflightError("--tensor-model-parallel-size",
+                             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+                             f"--tensor-model-parallel-size {tp}; fix: use a TP that divides it")
+    if cp > 1 and args.seq_length and args.seq_length % (2 * cp):
+        raise PreflightError("--context-parallel-size",
+                             f"--seq-length {args.seq_length} must be divisible by 2 x "
+                             f"--context-parallel-size {cp}; fix: change either")
+
+
+@preflight_check("batch-split")
+def check_batch(args) -> None:
+    w, tp, pp, cp, _, _ = _sizes(args)
+    dp = w // (tp * pp * cp)
+    if args.global_batch_size is not None and args.global_batch_size % (
+            args.micro_batch_size * dp):
+        raise PreflightError("--global-batch-size",
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}; fix: make "
+            f"--global-batch-size a multiple of {args.micro_batch_size * dp}")
+    if args.train_iters is not None and args.eval_interval is None:
+        raise PreflightError("--eval-interval",
+                             "--eval-interval is unset: megatron 0.19.2 divides --train-iters by "
+                             "it when it builds the datasets (also with --eval-iters 0); fix: "
+                             "pass --eval-interval N")
+
+
+@preflight_check("checkpoint-format")
+def check_checkpoint_format(args) -> None:
+    # Megatron-FSDP in 0.19.2 saves only fsdp_dtensor.
+    if args.use_megatron_fsdp and args.ckpt_format != "fsdp_dtensor":
+        raise PreflightError("--ckpt-format",
+                             f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got "
+                             f"--ckpt-format {args.ckpt_format}); fix: pass --ckpt-format "
+                             "fsdp_dtensor")
+    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+        raise PreflightError("--ckpt-format",
+                             "--ckpt-format fsdp_dtensor is only for --use-megatron-fsdp; fix: "
+                             "pass --use-megatron-fsdp or use --ckpt-format torch_dist")
+
+
+@preflight_check("save-interval")
+def check_save_interval(args) -> None:
+    if args.save and args.save_interval is None:
+        raise PreflightError("--save-interval",
+                             f"--save {args.save} without --save-interval (megatron asserts on "
+                             "it); fix: pass --save-interval N (iterations between checkpoints)")
+
+
+@preflight_check("pipeline-layer-layout")
+def check_layer_layout(args) -> list[int]:
+    from megatron_patches.layer_layout import LayerLayout, LayerLayoutError, validate_layer_layout
+
+    moe_pattern(args)
+    layer_layout = LayerLayout.from_args(args)
+    if layer_layout is None:  # explicit layouts: megatron's validate_args/TransformerConfig
+        return [-1] * args.pipeline_model_parallel_size
+    try:
+        return list(validate_layer_layout(layer_layout))
+    except LayerLayoutError as exc:
+        flag = ("--decoder-first-pipeline-num-layers" if "--decoder-first" in str(exc)
+                else "--pipeline-model-parallel-size")
+        raise PreflightError(flag, str(exc)) from None
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@preflight_check("transformer-engine")
+def check_transformer_engine(args) -> None:
+    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+        raise PreflightError("--transformer-impl",
+                             "--transformer-impl transformer_engine, but Transformer Engine is "
+                             "not installed (no `transformer_engine` module); fix: install it "
+                             "(the NGC PyTorch image has it) or pass --transformer-impl local")
+
+
+@preflight_check("data-path")
+def check_data_path(args) -> None:
+    if getattr(args, "mock_data", False):
+        return
+    from moe_launcher.data import missing_data_paths
+
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        missing = missing_data_paths(getattr(args, flag, None))
+        if missing:
+            name = "--" + flag.replace("_", "-")
+            raise PreflightError(name,
+                                 f"{name} {missing[0]}: no {missing[0]}.bin/.idx"
+                                 + (f" (and {len(missing) - 1} more prefixes missing)"
+                                    if len(missing) > 1 else "")
+                                 + "; fix: pass the prefix of an indexed dataset (the path "
+                                 "without .bin/.idx) or --mock-data")
+
+
+def check_args(args, only: tuple[str, ...] | None = None) -> None:
+    """Runs every registered check (or those named in `only`) on megatron's parsed args."""
+    for check in _CHECKS.values():
+        if only is None or check.name in only:
+            check.run(args)
+
+
+LAYOUT_CHECKS = ("model-parallel-fits-world", "expert-grid-fits-stage", "experts-split",
+                 "tensor-and-context-split", "batch-split", "checkpoint-format",
+                 "pipeline-layer-layout")
+
+
+def check_layout(args) -> Layout:
+    """The layout arithmetic checks (the planner's view); returns the layout they describe."""
+    check_args(args, only=LAYOUT_CHECKS)
+    w, tp, pp, cp, ep, etp = _sizes(args)
+    dp = w // (tp * pp * cp)
+    edp = (w // pp) // (ep * etp)
+    return Layout(w, tp, pp, cp, dp, ep, etp, edp, _virtual_pipeline(args),
+                  check_layer_layout(args), moe_pattern(args))
