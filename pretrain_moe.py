@@ -7,11 +7,12 @@ activated and the CPU-only flags are supplied, so the command line is the same e
 """
 
 import os
+import signal
 import sys
 
 import torch
 
-from megatron_patches.versions import UnsupportedMegatronVersion, check_megatron_version
+from moe_launcher.preflight import EXIT_STATUS as PREFLIGHT_EXIT, PreflightError, check_environment
 
 
 def log0(line: str) -> None:
@@ -20,7 +21,10 @@ def log0(line: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    track = check_megatron_version()
+    # A write past the file-size limit (RLIMIT_FSIZE) raises OSError(EFBIG) instead of killing
+    # the process, so a save that runs out of room fails like a full disk, with a message.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    track = check_environment()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         from megatron_patches import cpu_backend
@@ -42,12 +46,16 @@ def main(argv: list[str]) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+
+    from moe_launcher import preflight
 
     from moe_launcher.data import train_valid_test_datasets
     from moe_launcher.gpt_step import forward_step
 
     sys.argv = [sys.argv[0], *argv]
+    # Refuse flags that cannot run before megatron validates, initialises or builds anything.
+    preflight.check_args(parse_args())
     args = parse_and_validate_args()
     log0(f"[pretrain_moe] megatron-core {track} track, "
          f"{'CPU backend (gloo)' if on_cpu else 'CUDA'}, transformer-impl {args.transformer_impl}")
@@ -58,5 +66,14 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except UnsupportedMegatronVersion as error:
-        sys.exit(f"pretrain_moe: error: {error}")
+    except PreflightError as error:
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank refuses; one says why
+            print(error.line(), file=sys.stderr, flush=True)
+        sys.exit(PREFLIGHT_EXIT)
+    except Exception as error:
+        # A checkpoint save or load refused on purpose: one line per rank, no traceback.
+        from megatron_patches.checkpoint_commit import CheckpointRefusal, refusal_line
+        if not isinstance(error, CheckpointRefusal):
+            raise
+        print(refusal_line(error), file=sys.stderr, flush=True)
+        sys.exit(1)

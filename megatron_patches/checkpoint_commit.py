@@ -1,0 +1,433 @@
+"""Crash-safe checkpoint saves and loads that refuse damaged files before reading them.
+
+megatron-core 0.19.2 `megatron.training.checkpointing.save_checkpoint` writes every rank's files
+straight into `<save>/iter_XXXXXXX` (its own TODO: "Handle non-empty directories (e.g., after a
+crash during saving)") and then rank 0 rewrites `latest_checkpointed_iteration.txt` in place
+with `open(..., 'w')`: a crash between the truncate and the write leaves an empty tracker, which
+`read_metadata` answers with `sys.exit()` -- exit status 0, no training, no error. A re-save into
+an iteration directory that already holds files (a crash after the files but before the tracker,
+or a resumed run that saves the iteration it loaded) rewrites those files in place.
+
+"atomic-checkpoint-commit" wraps `save_checkpoint` (module attribute, and the reference
+`megatron.training.training` imported) so that, for synchronous global saves:
+
+* every rank writes into a staging directory `<save>/_partial_iter_XXXXXXX` (megatron's
+  `get_checkpoint_name` is redirected for that one iteration during the call);
+* megatron's own tracker write goes to a scratch file; after megatron's final barrier rank 0
+  fsyncs the staged files, renames the staging directory to `iter_XXXXXXX` (an existing one is
+  first renamed to `_replaced_iter_XXXXXXX`) and then writes the tracker last, as
+  write-temp + fsync + `os.replace` + fsync of the directory;
+* a failing save (disk full, a dead rank) raises `CheckpointSaveError` naming the directory;
+  the previous checkpoint and the tracker are untouched and the staging directory is removed.
+
+Before every save and load rank 0 recovers what a crash can leave (`recover`): a
+`_replaced_*` directory the tracker still points at is moved back, other leftovers are removed.
+
+"checkpoint-load-integrity" wraps `load_checkpoint` the same way: every rank resolves the
+checkpoint the tracker (or --ckpt-step) names and checks it before megatron reads it -- the
+tracker parses, the iteration directory exists, `.metadata` exists and unpickles, and every
+`.distcp` file it references exists and is long enough for the byte ranges it lists. The
+findings are gathered on all ranks, so every rank refuses with the same message
+(`CheckpointLoadError`, naming the directory, the tensor and the problem) instead of one rank
+failing while the others wait in a collective. This complements the #1836 layout guard
+(checkpoint_guard), which judges tensor shapes, not files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import shutil
+import sys
+from typing import Any, Callable
+
+from megatron_patches.registry import Patch, PatchContext, register
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STAGING_PREFIX = "_partial_"
+REPLACED_PREFIX = "_replaced_"
+_MARK = "_megatron_patches_checkpoint_commit"
+
+
+class CheckpointRefusal(RuntimeError):
+    """A save or load this project stopped on purpose; the message says what and where."""
+
+
+class CheckpointSaveError(CheckpointRefusal):
+    pass
+
+
+class CheckpointLoadError(CheckpointRefusal):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Filesystem primitives
+# --------------------------------------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def write_tracker(save_dir: str, value: str) -> None:
+    """Replaces the tracker atomically: a reader sees the old or the new value, never a
+    partial one, also after a crash or power loss."""
+    tracker = os.path.join(save_dir, TRACKER)
+    temporary = f"{tracker}.tmp.{os.getpid()}"
+    with open(temporary, "w") as f:
+        f.write(value)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, tracker)
+    _fsync_dir(save_dir)
+
+
+def iteration_dirname(iteration: int, release: bool = False) -> str:
+    return "release" if release else f"iter_{iteration:07d}"
+
+
+def read_tracker(save_dir: str) -> str | None:
+    """The tracker's iteration directory name; None without a tracker; CheckpointLoadError
+    when it does not parse."""
+    tracker = os.path.join(save_dir, TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    if text == "release":
+        return "release"
+    try:
+        return iteration_dirname(int(text))
+    except ValueError:
+        raise CheckpointLoadError(
+            f"refusing to load {save_dir}: {tracker} holds {text!r}, not an iteration number "
+            f"(a save interrupted while megatron rewrote it in place); fix: write the iteration "
+            f"of a complete iter_* directory into it") from None
+
+
+def recover(save_dir: str) -> list[str]:
+    """Undoes what a crash during a commit can leave; returns what it did (rank 0 only)."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    done = []
+    try:
+        target = read_tracker(save_dir)
+    except CheckpointLoadError:
+        target = None
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if name.startswith(REPLACED_PREFIX):
+            original = name[len(REPLACED_PREFIX):]
+            if original == target and not os.path.exists(os.path.join(save_dir, original)):
+                os.rename(path, os.path.join(save_dir, original))
+                done.append(f"restored {original} (a commit was interrupted)")
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+                done.append(f"removed {name}")
+        elif name.startswith(STAGING_PREFIX) or name.startswith(TRACKER + ".tmp."):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            done.append(f"removed {name} (an interrupted save)")
+    if done:
+        _fsync_dir(save_dir)
+    return done
+
+
+def commit(save_dir: str, dirname: str, tracker_value: str) -> None:
+    """Publishes the staged iteration directory, then the tracker (rank 0)."""
+    staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+    final = os.path.join(save_dir, dirname)
+    replaced = os.path.join(save_dir, REPLACED_PREFIX + dirname)
+    _fsync_tree(staging)
+    if os.path.lexists(final):
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    _fsync_dir(save_dir)
+    write_tracker(save_dir, tracker_value)
+    if os.path.lexists(replaced):
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint file integrity (metadata only)
+# --------------------------------------------------------------------------------------------
+def file_problems(iteration_dir: str) -> list[str]:
+    """What is missing or short in a torch_dist/fsdp_dtensor directory, judged from `.metadata`:
+    each problem names the tensor (or file) and what is wrong. Reads no tensor data."""
+    metadata_path = os.path.join(iteration_dir, ".metadata")
+    if not os.path.isdir(iteration_dir):
+        return [f"{iteration_dir} does not exist"]
+    if not os.path.isfile(metadata_path):
+        return [f".metadata is missing (the file that lists every tensor), so no tensor can "
+                f"be located"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(iteration_dir).read_metadata()
+    except Exception as exc:  # a truncated or garbled pickle raises anything
+        return [f".metadata is unreadable ({type(exc).__name__}: {exc})"]
+    storage = getattr(metadata, "storage_data", None) or {}
+    needed: dict[str, tuple[int, str]] = {}  # file -> (bytes needed, a tensor stored there)
+    for index, info in storage.items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (-1, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    problems = []
+    for relative, (end, fqn) in sorted(needed.items()):
+        path = os.path.join(iteration_dir, relative)
+        if not os.path.isfile(path):
+            problems.append(f"{fqn}: its file {relative} is missing")
+            continue
+        size = os.stat(path).st_size
+        if size < end:
+            problems.append(f"{fqn}: its file {relative} is truncated ({size} bytes, the "
+                            f"metadata needs {end})")
+    return problems
+
+
+def _is_dist_checkpoint(iteration_dir: str, ckpt_format: str | None) -> bool:
+    if ckpt_format in ("torch_dist", "fsdp_dtensor", "torch_dcp"):
+        return True
+    return os.path.isfile(os.path.join(iteration_dir, ".metadata")) or any(
+        n.endswith(".distcp") for n in os.listdir(iteration_dir))
+
+
+def load_problems(load_dir: str, ckpt_step: int | None, ckpt_format: str | None) -> list[str]:
+    """This rank's view of what is wrong with the checkpoint a load would read; [] when fine or
+    when there is nothing to load (megatron then starts from scratch, as it always did)."""
+    try:
+        dirname = iteration_dirname(ckpt_step) if ckpt_step else read_tracker(load_dir)
+    except CheckpointLoadError as exc:
+        return [str(exc)]
+    if dirname is None:
+        return []
+    iteration_dir = os.path.join(load_dir, dirname)
+    if not os.path.isdir(iteration_dir):
+        return [f"refusing to load {iteration_dir}: the directory does not exist "
+                f"({'--ckpt-step' if ckpt_step else TRACKER} names it)"]
+    if not _is_dist_checkpoint(iteration_dir, ckpt_format):
+        return []
+    problems = file_problems(iteration_dir)
+    if not problems:
+        return []
+    shown = "; ".join(problems[:6]) + (f"; ... and {len(problems) - 6} more"
+                                       if len(problems) > 6 else "")
+    return [f"refusing to load {iteration_dir}: {shown}. The checkpoint is damaged; audit it "
+            f"with `python -m megatron_patches.checkpoint_audit {iteration_dir}` and load an "
+            f"earlier iteration with --ckpt-step"]
+
+
+# --------------------------------------------------------------------------------------------
+# Wrappers
+# --------------------------------------------------------------------------------------------
+def _dist():
+    import torch
+
+    return torch.distributed if torch.distributed.is_initialized() else None
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist else 0
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist:
+        dist.barrier()
+
+
+def _agree(problems: list[str]) -> list[str]:
+    """Every rank's problems, on every rank."""
+    dist = _dist()
+    if not dist or dist.get_world_size() == 1:
+        return problems
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return sorted({p for rank_problems in everyone for p in rank_problems})
+
+
+def _recover_on_rank0(directory: str | None) -> None:
+    if directory and _rank() == 0:
+        for line in recover(directory):
+            print(f"[megatron_patches] atomic-checkpoint-commit: {directory}: {line}", flush=True)
+    _barrier()
+
+
+@contextlib.contextmanager
+def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str):
+    """During megatron's save, files of `dirname` go to the staging directory and the tracker
+    to a scratch file (carrying the current value, which megatron reads for retention)."""
+    final = os.path.join(save_dir, dirname)
+    staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+    get_name = checkpointing.get_checkpoint_name
+    get_tracker = checkpointing.get_checkpoint_tracker_filename
+
+    def get_checkpoint_name(*args, **kwargs):
+        name = get_name(*args, **kwargs)
+        if name == final or name.startswith(final + os.sep):
+            name = staging + name[len(final):]
+        return name
+
+    def get_checkpoint_tracker_filename(path):
+        if os.path.normpath(path) == os.path.normpath(save_dir):
+            return scratch_tracker
+        return get_tracker(path)
+
+    checkpointing.get_checkpoint_name = get_checkpoint_name
+    checkpointing.get_checkpoint_tracker_filename = get_checkpoint_tracker_filename
+    try:
+        yield staging
+    finally:
+        checkpointing.get_checkpoint_name = get_name
+        checkpointing.get_checkpoint_tracker_filename = get_tracker
+
+
+def _wrap_save(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        from megatron.training import checkpointing
+        from megatron.training.global_vars import get_args
+
+        margs = get_args()
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        if margs.async_save or call.arguments.get("non_persistent_ckpt") or not margs.save:
+            return original(*args, **kwargs)  # async/local saves commit elsewhere
+        save_dir = margs.save
+        release = bool(call.arguments.get("release"))
+        iteration = call.arguments["iteration"]
+        dirname = iteration_dirname(iteration, release)
+        scratch = os.path.join(save_dir, STAGING_PREFIX + TRACKER)
+        if _rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+        _recover_on_rank0(save_dir)
+        if _rank() == 0 and os.path.isfile(os.path.join(save_dir, TRACKER)):
+            shutil.copyfile(os.path.join(save_dir, TRACKER), scratch)
+        staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+        try:
+            with _redirected(checkpointing, save_dir, dirname, scratch):
+                result = original(*args, **kwargs)
+            if _rank() == 0:
+                commit(save_dir, dirname, "release" if release else str(iteration))
+                os.unlink(scratch) if os.path.exists(scratch) else None
+        except Exception as exc:
+            if _rank() == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.unlink(scratch)
+            try:
+                kept = read_tracker(save_dir)
+            except CheckpointLoadError:
+                kept = None
+            raise CheckpointSaveError(
+                f"saving iteration {iteration} to {save_dir} failed on rank {_rank()}: "
+                f"{type(exc).__name__}: {exc}. Nothing was committed: {TRACKER} still names "
+                f"{kept or 'no checkpoint'}, which is unchanged; the partial "
+                f"{STAGING_PREFIX + dirname} was removed. Fix: free space in (or point --save "
+                f"away from) {save_dir}, then resume with --load {save_dir}") from exc
+        return result
+
+    setattr(save_checkpoint, _MARK, True)
+    return save_checkpoint
+
+
+def _wrap_load(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        margs = get_args()
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        load_dir = getattr(margs, call.arguments.get("load_arg") or "load", None)
+        if load_dir and os.path.isdir(load_dir):
+            _recover_on_rank0(load_dir)
+            problems = _agree(load_problems(load_dir, getattr(margs, "ckpt_step", None),
+                                            getattr(margs, "ckpt_format", None)))
+            if problems:
+                raise CheckpointLoadError(" | ".join(problems))
+        return original(*args, **kwargs)
+
+    setattr(load_checkpoint, _MARK, True)
+    return load_checkpoint
+
+
+def _install(name: str, wrapper: Callable[[Callable], Callable]) -> None:
+    from megatron.training import checkpointing, training
+
+    for module in (checkpointing, training):
+        current = getattr(module, name, None)
+        if current is not None and not hasattr(current, _MARK):
+            setattr(module, name, wrapper(current))
+
+
+# --------------------------------------------------------------------------------------------
+# Patches
+# --------------------------------------------------------------------------------------------
+def _commit_not_needed(context: PatchContext) -> str | None:
+    from megatron.training import checkpointing
+
+    source = inspect.getsource(checkpointing.save_checkpoint)
+    if "os.replace(" in source or "os.rename(" in source:
+        return "megatron-core already commits checkpoints by rename"
+    return None
+
+
+def _load_check_not_needed(context: PatchContext) -> str | None:
+    return None  # megatron checks no file against .metadata before its collective reads
+
+
+register(Patch(
+    name="atomic-checkpoint-commit",
+    upstream="Megatron-LM save_checkpoint TODO 'Handle non-empty directories (e.g., after a "
+             "crash during saving)'; in-place tracker write",
+    versions=">=0.15,<0.20",
+    summary="megatron.training.checkpointing.save_checkpoint writes to _partial_iter_*, rank 0 "
+            "renames it into place, then replaces the tracker (temp + fsync + os.replace)",
+    not_needed_because=_commit_not_needed,
+    apply=lambda: _install("save_checkpoint", _wrap_save),
+))
+
+register(Patch(
+    name="checkpoint-load-integrity",
+    upstream="local (megatron reads damaged files rank by rank; no pre-load check)",
+    versions=">=0.15,<0.20",
+    summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "
+            "and .distcp sizes on every rank and refuses a damaged checkpoint on all of them",
+    not_needed_because=_load_check_not_needed,
+    apply=lambda: _install("load_checkpoint", _wrap_load),
+))
+
+
+def refusal_line(exc: BaseException) -> str:
+    rank = os.environ.get("RANK", "0")
+    return f"pretrain_moe: error: [rank {rank}] {exc}"
+
+
+if __name__ == "__main__":  # python -m megatron_patches.checkpoint_commit DIR: file check
+    problems = load_problems(sys.argv[1], None, None)
+    print("\n".join(problems) or "ok")
+    sys.exit(1 if problems else 0)
