@@ -67,8 +67,13 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except PreflightError as error:
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank refuses; one says why
+        # Every rank refuses; rank 0 says why. The others linger a moment so that torchrun,
+        # which stops the job at the first exit, does not stop rank 0 before it has printed.
+        if int(os.environ.get("RANK", "0")) == 0:
             print(error.line(), file=sys.stderr, flush=True)
+        else:
+            import time
+            time.sleep(5)
         sys.exit(PREFLIGHT_EXIT)
     except Exception as error:
         # A checkpoint save or load refused on purpose: one line per rank, no traceback.
