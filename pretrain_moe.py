@@ -76,9 +76,13 @@ if __name__ == "__main__":
             time.sleep(5)
         sys.exit(PREFLIGHT_EXIT)
     except Exception as error:
-        # A checkpoint save or load refused on purpose: one line per rank, no traceback.
-        from megatron_patches.checkpoint_commit import CheckpointRefusal, refusal_line
-        if not isinstance(error, CheckpointRefusal):
+        # A checkpoint save or load refused on purpose: one line per rank, no traceback. Rank 0
+        # lingers a moment so torchrun does not stop the other ranks before they have printed.
+        from megatron_patches.checkpoint_commit import refusal_line, refusal_types
+        if not isinstance(error, refusal_types()):
             raise
         print(refusal_line(error), file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            import time
+            time.sleep(2)
         sys.exit(1)

@@ -301,6 +301,26 @@ def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str
         checkpointing.get_checkpoint_tracker_filename = get_tracker
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    causes = [line.strip() for line in text[1:] if "Error" in line and ":" in line]
+    return f"{type(exc).__name__}: {text[0] if text else ''}" + (
+        f" / {causes[-1]}" if causes else "")
+
+
+def _room(save_dir: str) -> str:
+    """Free space and the file-size limit where the save failed (what 'disk full' looks like)."""
+    import resource
+
+    parts = []
+    with contextlib.suppress(OSError):
+        parts.append(f"{shutil.disk_usage(save_dir).free // 2**20} MiB free there")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        parts.append(f"file-size limit {limit} bytes")
+    return ", ".join(parts) or "free space unknown"
+
+
 def _wrap_save(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
@@ -331,7 +351,9 @@ def _wrap_save(original: Callable) -> Callable:
             if _rank() == 0:
                 commit(save_dir, dirname, "release" if release else str(iteration))
                 os.unlink(scratch) if os.path.exists(scratch) else None
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
             if _rank() == 0:
                 shutil.rmtree(staging, ignore_errors=True)
                 with contextlib.suppress(OSError):
@@ -342,7 +364,7 @@ def _wrap_save(original: Callable) -> Callable:
                 kept = None
             raise CheckpointSaveError(
                 f"saving iteration {iteration} to {save_dir} failed on rank {_rank()}: "
-                f"{type(exc).__name__}: {exc}. Nothing was committed: {TRACKER} still names "
+                f"{_first_line(exc)} ({_room(save_dir)}). Nothing was committed: {TRACKER} still names "
                 f"{kept or 'no checkpoint'}, which is unchanged; the partial "
                 f"{STAGING_PREFIX + dirname} was removed. Fix: free space in (or point --save "
                 f"away from) {save_dir}, then resume with --load {save_dir}") from exc
@@ -422,9 +444,21 @@ register(Patch(
 ))
 
 
+def refusal_types() -> tuple[type, ...]:
+    """Exceptions that are deliberate checkpoint refusals (one line, no traceback): ours, and
+    the #1836 layout guard's where it is installed."""
+    types: tuple[type, ...] = (CheckpointRefusal,)
+    try:
+        from megatron_patches.checkpoint_guard import IncompleteCheckpointError
+    except ImportError:
+        return types
+    return types + (IncompleteCheckpointError,)
+
+
 def refusal_line(exc: BaseException) -> str:
     rank = os.environ.get("RANK", "0")
-    return f"pretrain_moe: error: [rank {rank}] {exc}"
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return f"pretrain_moe: error: [rank {rank}] {text}"
 
 
 if __name__ == "__main__":  # python -m megatron_patches.checkpoint_commit DIR: file check
