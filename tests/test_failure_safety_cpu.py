@@ -36,8 +36,8 @@ from _launch import REPO, TINY_MODEL, launch
 from megatron_patches.checkpoint_commit import TRACKER, file_problems
 
 SEED = int(os.environ.get("FAILSAFE_SEED", "1836"))
-KILLS = int(os.environ.get("FAILSAFE_KILLS", "8"))
-TRAIN_ITERS = 30
+KILLS = int(os.environ.get("FAILSAFE_KILLS", "6"))
+TRAIN_ITERS = 16
 COMMON = [*TINY_MODEL, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
           "--moe-token-dispatcher-type", "alltoall", "--save-interval", "1"]
 EP2 = ["--expert-model-parallel-size", "2"]
@@ -141,12 +141,18 @@ def test_sigkill_at_random_moments_never_loses_a_checkpoint(tmp_path):
         kills += 1
         kills_mid_save += mid_save
         log = run.finish(90)
+        if expected_resume is None and "successfully loaded checkpoint" in log:
+            lost_or_wrong.append(f"cycle {cycle}: loaded a checkpoint the tracker never named")
         if expected_resume is not None and (
                 f"successfully loaded checkpoint from {save}" not in log
                 or f"at iteration {expected_resume}" not in log):
             lost_or_wrong.append(f"cycle {cycle}: did not resume from iteration {expected_resume}")
 
         # The tracker names a complete checkpoint; nothing at or below it changed.
+        if not (save / TRACKER).exists():  # killed during the very first save
+            if committed:
+                lost_or_wrong.append(f"cycle {cycle}: the tracker vanished")
+            continue
         target = tracker_dir(save)
         if problems := file_problems(str(target)):
             lost_or_wrong.append(f"cycle {cycle}: {target.name} damaged: {problems}")
