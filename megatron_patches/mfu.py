@@ -66,10 +66,10 @@ def with_mfu(log_line: str, peak: float | None) -> tuple[str, float | None]:
     return log_line[:found.end()] + f" MFU: {100 * value:.1f}% |" + log_line[found.end():], value
 
 
-def _say_once(message: str) -> None:
+def _say_once(message: str, say) -> None:
     if message not in _SAID:
         _SAID.add(message)
-        print(message, flush=True)
+        say(message)
 
 
 def _log_to_writers(value: float, iteration: int) -> None:
@@ -97,7 +97,7 @@ def _apply() -> None:
             peak = peak_tflops(name)
             if peak is None:
                 _say_once(f"[megatron_patches] MFU: not reported, no dense bf16 peak known for "
-                          f"device {name or 'cpu'!r}")
+                          f"device {name or 'cpu'!r}", megatron_print)
             message, value = with_mfu(message, peak)
             iteration = _ITERATION.search(message)
             if value is not None and iteration is not None:

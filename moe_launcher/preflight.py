@@ -60,10 +60,13 @@ def registered_checks() -> list[str]:
 # --------------------------------------------------------------------------------------------
 def check_environment(megatron_version: str | None = None) -> str:
     """The megatron-core track ('default'/'legacy'); PreflightError for an unsupported install."""
-    from megatron_patches.versions import UnsupportedMegatronVersion, check_megatron_version
+    from megatron_patches.versions import (
+        UnsupportedMegatronVersion, check_megatron_version, check_training_package)
 
     try:
-        return check_megatron_version(megatron_version)
+        track = check_megatron_version(megatron_version)
+        check_training_package()
+        return track
     except UnsupportedMegatronVersion as exc:
         raise PreflightError("megatron-core", str(exc)) from None
 
