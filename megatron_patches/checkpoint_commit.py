@@ -267,7 +267,11 @@ def _agree(problems: list[str]) -> list[str]:
 
 def _recover_on_rank0(directory: str | None) -> None:
     if directory and _rank() == 0:
-        for line in recover(directory):
+        try:
+            lines = recover(directory)
+        except OSError as exc:  # e.g. a read-only --load directory: report, do not stop
+            lines = [f"could not clean up an interrupted save: {exc}"]
+        for line in lines:
             print(f"[megatron_patches] atomic-checkpoint-commit: {directory}: {line}", flush=True)
     _barrier()
 
@@ -275,7 +279,8 @@ def _recover_on_rank0(directory: str | None) -> None:
 @contextlib.contextmanager
 def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str):
     """During megatron's save, files of `dirname` go to the staging directory and the tracker
-    to a scratch file (carrying the current value, which megatron reads for retention)."""
+    to a scratch file (carrying the current value, which megatron reads for retention).
+    Yields the list of calls to run once the checkpoint is committed."""
     final = os.path.join(save_dir, dirname)
     staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
     get_name = checkpointing.get_checkpoint_name
@@ -292,13 +297,28 @@ def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str
             return scratch_tracker
         return get_tracker(path)
 
+    # wandb logs the checkpoint as an artifact; hold that back until the commit (the caller
+    # runs the deferred calls with the final paths).
+    wandb_utils = getattr(checkpointing, "wandb_utils", None)
+    on_saved = getattr(wandb_utils, "on_save_checkpoint_success", None)
+    deferred: list[Callable[[], None]] = []
+
+    def on_save_checkpoint_success(checkpoint_path, tracker_filename, directory, iteration):
+        deferred.append(lambda: on_saved(
+            final + checkpoint_path[len(staging):] if checkpoint_path.startswith(staging)
+            else checkpoint_path, get_tracker(directory), directory, iteration))
+
     checkpointing.get_checkpoint_name = get_checkpoint_name
     checkpointing.get_checkpoint_tracker_filename = get_checkpoint_tracker_filename
+    if on_saved is not None:
+        wandb_utils.on_save_checkpoint_success = on_save_checkpoint_success
     try:
-        yield staging
+        yield deferred
     finally:
         checkpointing.get_checkpoint_name = get_name
         checkpointing.get_checkpoint_tracker_filename = get_tracker
+        if on_saved is not None:
+            wandb_utils.on_save_checkpoint_success = on_saved
 
 
 def _first_line(exc: BaseException) -> str:
@@ -346,11 +366,15 @@ def _wrap_save(original: Callable) -> Callable:
             shutil.copyfile(os.path.join(save_dir, TRACKER), scratch)
         staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
         try:
-            with _redirected(checkpointing, save_dir, dirname, scratch):
+            with _redirected(checkpointing, save_dir, dirname, scratch) as after_commit:
                 result = original(*args, **kwargs)
             if _rank() == 0:
                 commit(save_dir, dirname, "release" if release else str(iteration))
-                os.unlink(scratch) if os.path.exists(scratch) else None
+                if os.path.exists(scratch):
+                    os.unlink(scratch)
+            _barrier()  # the save returns on every rank only once it is committed
+            for deferred in after_commit:
+                deferred()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # torch's CheckpointException is a BaseException
