@@ -386,12 +386,15 @@ def _wrap_save(original: Callable) -> Callable:
                 kept = read_tracker(save_dir)
             except CheckpointLoadError:
                 kept = None
+            state = (f"{dirname} was committed before the failure ({TRACKER} names it)"
+                     if kept == dirname else
+                     f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
+                     f"which is unchanged; the partial {STAGING_PREFIX + dirname} was removed")
             raise CheckpointSaveError(
                 f"saving iteration {iteration} to {save_dir} failed on rank {_rank()}: "
-                f"{_first_line(exc)} ({_room(save_dir)}). Nothing was committed: {TRACKER} still names "
-                f"{kept or 'no checkpoint'}, which is unchanged; the partial "
-                f"{STAGING_PREFIX + dirname} was removed. Fix: free space in (or point --save "
-                f"away from) {save_dir}, then resume with --load {save_dir}") from exc
+                f"{_first_line(exc)} ({_room(save_dir)}); {state}. Fix: free space in (or "
+                f"point --save away from) {save_dir}, then resume with --load {save_dir}"
+            ) from exc
         return result
 
     setattr(save_checkpoint, _MARK, True)

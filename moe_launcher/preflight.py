@@ -258,8 +258,12 @@ def check_layer_layout(args) -> list[int]:
     try:
         return list(validate_layer_layout(layer_layout))
     except LayerLayoutError as exc:
-        flag = ("--decoder-first-pipeline-num-layers" if "--decoder-first" in str(exc)
-                else "--pipeline-model-parallel-size")
+        # The message starts with the flags; the flag to change is the one the problem names.
+        problem = str(exc).split(": ", 1)[-1]
+        candidates = ["--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                      "--num-layers", "--pipeline-model-parallel-size"]
+        flag = next((f for f in candidates if f in problem), None) or next(
+            (f for f in candidates[:2] if f in str(exc)), "--num-layers")
         raise PreflightError(flag, str(exc)) from None
 
 
