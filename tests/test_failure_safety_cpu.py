@@ -35,6 +35,8 @@ import pytest
 from _launch import REPO, TINY_MODEL, launch
 from megatron_patches.checkpoint_commit import TRACKER, file_problems
 
+pytestmark = pytest.mark.slow
+
 SEED = int(os.environ.get("FAILSAFE_SEED", "1836"))
 KILLS = int(os.environ.get("FAILSAFE_KILLS", "6"))
 TRAIN_ITERS = 16
