@@ -8,12 +8,11 @@ reports one status line at startup.
 from __future__ import annotations
 
 import dataclasses
+from importlib.metadata import version as installed_version
 from typing import Callable
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-
-import megatron.core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +61,7 @@ def registered() -> list[Patch]:
 
 
 def current_context(cpu_backend: bool) -> PatchContext:
-    return PatchContext(Version(megatron.core.__version__), cpu_backend)
+    return PatchContext(Version(installed_version("megatron-core")), cpu_backend)
 
 
 def apply_patches(context: PatchContext) -> list[PatchStatus]:
@@ -83,3 +82,19 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         _APPLIED[patch.name] = status
         statuses.append(status)
     return statuses
+
+
+# Every patch module, imported (and so registered) by load_patches(), in the order applied.
+PATCH_MODULES = (
+    "megatron_patches.dataset_helpers",
+    "megatron_patches.local_norm_sequence_parallel",
+    "megatron_patches.distopt_torch_adam",
+)
+
+
+def load_patches() -> list[Patch]:
+    import importlib
+
+    for module in PATCH_MODULES:
+        importlib.import_module(module)
+    return registered()

@@ -1,9 +1,9 @@
 """The megatron-core versions this project supports, checked before anything else runs."""
 
+from importlib.metadata import version as installed_version
+
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-
-import megatron.core
 
 # 0.19.2 is the pinned default; 0.15.x is the legacy target where the ETP checkpoint bug lives.
 SUPPORTED = {"default": SpecifierSet("==0.19.2"), "legacy": SpecifierSet("~=0.15.0")}
@@ -14,8 +14,11 @@ class UnsupportedMegatronVersion(RuntimeError):
 
 
 def check_megatron_version(version: str | None = None) -> str:
-    """Returns 'default' or 'legacy' for the installed megatron-core; raises for anything else."""
-    found = Version(version or megatron.core.__version__)
+    """Returns 'default' or 'legacy' for the installed megatron-core; raises for anything else.
+
+    Reads the installed distribution's metadata, so it runs before megatron is imported.
+    """
+    found = Version(version or installed_version("megatron-core"))
     for track, spec in SUPPORTED.items():
         if found in spec:
             return track

@@ -1,0 +1,253 @@
+"""CPU backend: runs megatron-core's training loop, MoE dispatchers and torch_dist checkpointing
+on CPU processes joined by gloo, for machines without a GPU (tests, smoke runs).
+
+megatron-core assumes CUDA in about 80 places on the training and checkpoint path
+(`torch.cuda.current_device()`, `device='cuda'`, `.cuda()`, streams, events, RNG). Patching them
+one by one is not maintainable, so this module presents one virtual CUDA device that is really
+the CPU:
+
+* a TorchFunctionMode rewrites every CUDA device argument (and `.cuda()`) to the CPU;
+* the `torch.cuda` runtime calls megatron makes get CPU stand-ins (one device, no-op streams,
+  events that time with the wall clock, the CPU generator standing in for the CUDA generator);
+* a few megatron helpers and gloo gaps are bridged, each explained where it is set.
+
+It is never activated when CUDA is available: `activate()` refuses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import time
+import types
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # megatron passes torch.cuda.current_device() (an int) as a device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA placements to the CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron asserts fp32 grads by comparing type names to 'torch.cuda.FloatTensor'.
+            return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func in (torch.Tensor.to, torch.Tensor.new_empty) or getattr(func, "__name__", "") == "to":
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """A CUDA stream stand-in: CPU work is already ordered, so every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _Stream)
+
+    def __hash__(self):
+        return 0
+
+
+class _Event:
+    """A CUDA event stand-in that times with the wall clock (used by megatron's timers)."""
+
+    def __init__(self, *args, **kwargs):
+        self._time = None
+
+    def record(self, stream=None):
+        self._time = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end._time - self._time) * 1000.0
+
+
+def _device_properties(device=None):
+    return types.SimpleNamespace(
+        name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=os.cpu_count() or 1
+    )
+
+
+def _eager_compile(model=None, **options):
+    return model if model is not None else (lambda fn: fn)
+
+
+def _returns(value):
+    # A distinct function per stand-in: torch._dynamo indexes torch.cuda's functions by identity
+    # and rejects one object registered under two names.
+    return lambda *args, **kwargs: value
+
+
+# Stand-ins for the torch.cuda runtime: one virtual device (process groups and model-parallel
+# seeds are only set up by megatron when a device is counted), the CPU generator as its RNG.
+_CUDA_RUNTIME = {
+    "device_count": _returns(1),
+    "current_device": _returns(0),
+    "set_device": _returns(None),
+    "synchronize": _returns(None),
+    "empty_cache": _returns(None),
+    "is_current_stream_capturing": _returns(False),
+    "current_stream": lambda device=None: _Stream(),
+    "default_stream": lambda device=None: _Stream(),
+    "Stream": _Stream,
+    "Event": _Event,
+    "stream": lambda stream=None: contextlib.nullcontext(),
+    "set_stream": _returns(None),
+    "memory_allocated": _returns(0),
+    "memory_reserved": _returns(0),
+    "max_memory_allocated": _returns(0),
+    "max_memory_reserved": _returns(0),
+    "reset_peak_memory_stats": _returns(None),
+    "memory_stats": lambda device=None: {},
+    "get_device_properties": _device_properties,
+    "get_device_name": _returns("cpu"),
+    "get_device_capability": _returns((0, 0)),
+    "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+    "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+    "manual_seed": lambda seed: torch.default_generator.manual_seed(seed),
+    # torch.manual_seed calls this after seeding the CPU generator, which is all there is.
+    "manual_seed_all": _returns(None),
+}
+_NVTX = {"range_push": _returns(None), "range_pop": _returns(None), "mark": _returns(None)}
+
+
+def _move_to_cpu(tensor, as_numpy=False, record_stream=False):
+    # moe_utils.maybe_move_tensor_to_cpu only converts CUDA tensors; on CPU the token
+    # dispatcher would then pass tensors as all_to_all split sizes, which gloo rejects.
+    if torch.is_tensor(tensor):
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
+def _all_gather_uneven(all_gather):
+    """gloo's all_gather needs equal shapes; pad uneven MoE token chunks to the largest."""
+
+    @functools.wraps(all_gather)
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] for t in tensor_list]
+        if len(set(sizes)) == 1 and tensor.shape[0] == sizes[0]:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded = torch.zeros((longest, *tensor.shape[1:]), dtype=tensor.dtype)
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(gathered, padded, group=group)
+        for out, full, size in zip(tensor_list, gathered, sizes):
+            out.copy_(full[:size])
+        return None
+
+    return gather
+
+
+def _reduce_scatter_uneven(group_reduce):
+    """gloo has no reduce_scatter: all-reduce the whole input and keep this rank's slice."""
+
+    @functools.wraps(group_reduce)
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        sizes = [t.shape[0] for t in input_list]
+        full = torch.cat(input_list, dim=0).contiguous()
+        dist.all_reduce(full, op=op, group=group)
+        start = sum(sizes[: dist.get_rank(group)])
+        output.copy_(full[start : start + output.shape[0]])
+        return None
+
+    return reduce_scatter
+
+
+_MODE: _CudaToCpu | None = None
+
+
+def active() -> bool:
+    return _MODE is not None
+
+
+def activate() -> None:
+    """Installs the CPU backend for this process (idempotent). Refuses where CUDA exists."""
+    global _MODE
+    if _MODE is not None:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("the CPU backend must not run where CUDA is available")
+    # megatron's jit_fuser is torch.compile, applied when megatron.core is imported: on CPU it
+    # recompiles for every new MoE token count (seconds per iteration). Hence activate() must run
+    # before megatron is imported, and torch.compile runs functions eagerly here.
+    if "megatron.core" in sys.modules:
+        raise RuntimeError("cpu_backend.activate() must run before megatron.core is imported")
+    torch.compile = _eager_compile
+    for name, stand_in in _CUDA_RUNTIME.items():
+        setattr(torch.cuda, name, stand_in)
+    torch.cuda.random.get_rng_state = _CUDA_RUNTIME["get_rng_state"]
+    torch.cuda.random.set_rng_state = _CUDA_RUNTIME["set_rng_state"]
+    for name, stand_in in _NVTX.items():
+        setattr(torch.cuda.nvtx, name, stand_in)
+    dist.all_gather = _all_gather_uneven(dist.all_gather)
+    dist.reduce_scatter = _reduce_scatter_uneven(dist.reduce_scatter)
+    _patch_megatron()
+    _MODE = _CudaToCpu()
+    _MODE.__enter__()
+
+
+def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.training import training
+
+    # The model-parallel RNG tracker swaps "CUDA" generator states; the CPU generator is ours.
+    tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    tp_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: (
+        torch.set_rng_state(state)
+    )
+    token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu
+    # pretrain() asserts CUDA unless initialize_megatron is told that no CUDA is fine.
+    training.initialize_megatron = functools.partial(training.initialize_megatron,
+                                                     allow_no_cuda=True)

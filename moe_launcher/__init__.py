@@ -1,0 +1,1 @@
+"""The launcher's own pieces: platform defaults, data, the GPT forward step and the model spec."""

@@ -1,0 +1,74 @@
+"""Flags the launcher supplies for the platform, so users pass the same command line everywhere.
+
+Each default is added only when the user did not pass the flag (or its opposite) and is
+reported with one log line saying why.
+"""
+
+import dataclasses
+import importlib.util
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformDefault:
+    flags: tuple[str, ...]  # the argv words to add
+    reason: str
+
+    def is_decided(self, argv: list[str]) -> bool:
+        """True when the user already passed this flag (with any value)."""
+        name = self.flags[0]
+        return any(arg == name or arg.startswith(name + "=") for arg in argv)
+
+
+# Without Transformer Engine / apex (CPU, or a bare GPU install) megatron's fused kernels and
+# TE layers are unavailable.
+WITHOUT_TE = (
+    PlatformDefault(("--transformer-impl", "local"), "Transformer Engine is not installed: megatron's local spec"),
+    PlatformDefault(("--no-rope-fusion",), "rope fusion needs Transformer Engine"),
+    PlatformDefault(("--no-persist-layer-norm",), "persistent layer norm needs apex"),
+    PlatformDefault(("--no-masked-softmax-fusion",), "fused softmax kernels need CUDA"),
+    PlatformDefault(("--no-gradient-accumulation-fusion",), "gradient-accumulation fusion needs apex/TE"),
+)
+# With Transformer Engine: grouped-GEMM experts, the layout this project is tuned for.
+WITH_TE = (
+    PlatformDefault(("--moe-grouped-gemm",), "Transformer Engine present: grouped-GEMM experts"),
+)
+ON_CPU = (
+    PlatformDefault(("--distributed-backend", "gloo"), "no CUDA: gloo process groups"),
+    PlatformDefault(("--use-cpu-initialization",), "no CUDA: initialise weights on CPU (layout-independent init)"),
+)
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def platform_defaults(on_cpu: bool, have_te: bool) -> tuple[PlatformDefault, ...]:
+    defaults = ON_CPU if on_cpu else ()
+    return defaults + (WITH_TE if (have_te and not on_cpu) else WITHOUT_TE)
+
+
+def with_platform_defaults(argv: list[str], on_cpu: bool | None = None,
+                           have_te: bool | None = None) -> tuple[list[str], list[str]]:
+    """Returns argv with the missing platform flags appended, and one log line per added flag."""
+    on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
+    have_te = transformer_engine_available() if have_te is None else have_te
+    added, lines = [], []
+    for default in platform_defaults(on_cpu, have_te):
+        if not default.is_decided(argv):
+            added += default.flags
+            lines.append(f"[pretrain_moe] default {' '.join(default.flags)}: {default.reason}")
+    return argv + added, lines
+
+
+def set_environment_defaults(argv: list[str], environ) -> list[str]:
+    """Sets environment variables megatron requires for this command line; returns log lines."""
+    lines = []
+    # megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP/CP without Megatron-FSDP (it orders
+    # the TP communication kernels before the GEMMs that depend on them); FSDP wants it unset.
+    if "--use-megatron-fsdp" not in argv and "CUDA_DEVICE_MAX_CONNECTIONS" not in environ:
+        environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        lines.append("[pretrain_moe] default CUDA_DEVICE_MAX_CONNECTIONS=1: megatron requires it "
+                     "for tensor/context parallelism")
+    return lines
