@@ -24,8 +24,9 @@ import math
 import os
 import re
 import sys
+import types
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ class ModelDims:
     heads: int | None
     query_groups: int | None
     kv_channels: int | None
+    padded_vocab: int | None = None  # only training args know the padded vocabulary
     expert_tensor_parallel: int = 1
 
     @classmethod
@@ -78,7 +80,10 @@ class ModelDims:
 
     @classmethod
     def from_args(cls, args: Any) -> "ModelDims":
-        """From megatron training args (the Namespace saved in every checkpoint)."""
+        """From megatron training args (the Namespace saved in every checkpoint, or the dict
+        megatron.training turns it into for its common-state consistency check)."""
+        if isinstance(args, Mapping):
+            args = types.SimpleNamespace(**args)
         heads = getattr(args, "num_attention_heads", None)
         groups = getattr(args, "num_query_groups", None) if getattr(
             args, "group_query_attention", False) else None
@@ -93,6 +98,7 @@ class ModelDims:
             heads=heads,
             query_groups=groups or heads,
             kv_channels=kv,
+            padded_vocab=getattr(args, "padded_vocab_size", None),
             expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None) or 1,
         )
 
@@ -105,6 +111,8 @@ _EXPERT = re.compile(
 _ATTENTION = re.compile(r"self_attention\.linear_(?P<which>qkv|proj)\.weight$")
 _ROUTER = re.compile(r"mlp\.router\.weight$")
 _DENSE_MLP = re.compile(r"(?<!experts\.)(?<!shared_experts\.)mlp\.linear_fc(?P<fc>[12])\.weight$")
+_VOCAB = re.compile(r"(embedding\.word_embeddings|output_layer)\.weight$")
+_NORM = re.compile(r"(layer_?norm|_norm)(_weight|_bias|\.weight|\.bias)$")
 
 
 def is_expert_key(key: str) -> bool:
@@ -143,6 +151,10 @@ def expected_shape(key: str, shape: Sequence[int], dims: ModelDims) -> tuple[int
         fc1 = m["fc"] == "1"
         core = (dims.ffn * (2 if dims.glu else 1), dims.hidden) if fc1 else (dims.hidden, dims.ffn)
         return _with_leading(shape, core)
+    if _VOCAB.search(key) and dims.padded_vocab:
+        return _with_leading(shape, (dims.padded_vocab, dims.hidden))
+    if _NORM.search(key) and "q_layernorm" not in key and "k_layernorm" not in key:
+        return _with_leading(shape, (dims.hidden,))
     return None
 
 

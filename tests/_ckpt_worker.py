@@ -48,14 +48,6 @@ def model_args(tp: int, ep: int, etp: int) -> argparse.Namespace:
     )
 
 
-def _no_cuda() -> None:
-    # dist_checkpointing's writer calls torch.cuda.synchronize() and puts its failure flag on
-    # torch.cuda.current_device() unconditionally.
-    # TODO: replace by megatron_patches.cpu_backend.activate() once main has it.
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-
-
 def build_model(tp: int, ep: int, etp: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -234,8 +226,11 @@ SCENARIOS = {"make": scenario_make, "guards": scenario_guards, "bench": scenario
 
 def _rank_main(rank: int, scenario: str, out: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Before megatron is imported: the project's CPU backend stands in for CUDA.
+    from megatron_patches import cpu_backend
+
+    cpu_backend.activate()
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    _no_cuda()
     try:
         result = SCENARIOS[scenario](out)
     except Exception:

@@ -8,6 +8,7 @@ checkpoint; each rank reports what happened (see _ckpt_worker's module doc for t
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -100,3 +101,32 @@ def test_layout_findings_on_real_sharded_tensors():
                                              replica_id=r).without_data()] for r in range(2)]
     [gap] = checkpoint_guard.layout_findings(half, dims)
     assert gap.shape_ok and gap.missing_fraction == 0.5 and not gap.ok
+
+
+@pytest.mark.slow
+def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tmp_path):
+    """pretrain_moe.py (with the guards listed) trains ETP=2, saves, and stops on both ranks
+    when asked to resume from the same checkpoint rewritten into the #1836 layout."""
+    from _damage_metadata import damage_like_1836
+    from _launch_guarded import TINY_ETP2, launch
+
+    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    # All runs plan 4 iterations (the LR schedule must match to resume); the first stops at 2.
+    first = launch([*TINY_ETP2, "--train-iters", "4", "--exit-interval", "2", "--save-interval", "2",
+                    "--save", str(good)])
+    assert first.returncode == 0, first.log[-4000:]
+    assert "[megatron_patches] checkpoint-completeness-guard: applied" in first.log
+    assert checkpoint_audit.audit(str(good)).exit_status == checkpoint_audit.EXIT_COMPLETE
+
+    shutil.copytree(good, damaged)
+    assert len(damage_like_1836(str(damaged), etp=2)) == 8  # fc1, fc2 and their 3 optimizer states
+    refused = launch([*TINY_ETP2, "--train-iters", "4", "--load", str(damaged)])
+    assert refused.returncode != 0
+    for rank in range(2):
+        assert f"[rank{rank}]: megatron_patches.checkpoint_guard.IncompleteCheckpointError: " \
+               "[megatron_patches] refusing to load" in refused.log, refused.log[-4000:]
+    assert "iteration        3/" not in refused.log
+
+    resumed = launch([*TINY_ETP2, "--train-iters", "4", "--load", str(good)])
+    assert resumed.returncode == 0, resumed.log[-4000:]
+    assert "iteration        3/" in resumed.log and "iteration        4/" in resumed.log
