@@ -144,4 +144,5 @@ def test_expected_shapes_follow_the_config_not_the_parallelism():
         == (48, 32)
     assert shape("decoder.layers.self_attention.linear_qkv.weight", (2, 96, 32), dims) \
         == (None, 96, 32)
-    assert shape("embedding.word_embeddings.weight", (128, 32), dims) is None
+    assert shape("embedding.word_embeddings.weight", (128, 32), dims) == (128, 32)
+    assert shape("embedding.position_embeddings.weight", (16, 32), dims) is None
