@@ -213,6 +213,8 @@ def coverage(global_shape: Sequence[int], boxes: Iterable[tuple[Sequence[int], S
         for o, s in boxes
     )
     boxes = [(o, s) for o, s in boxes if len(o) == ndim]
+    if not out_of_bounds and (regular := _regular_grid_coverage(global_shape, boxes)) is not None:
+        return regular
     bounds = [sorted({0, g} | {min(max(o[d], 0), g) for o, _ in boxes}
                      | {min(max(o[d] + s[d], 0), g) for o, s in boxes})
               for d, g in enumerate(global_shape)]
@@ -228,6 +230,24 @@ def coverage(global_shape: Sequence[int], boxes: Iterable[tuple[Sequence[int], S
         cell_volume *= widths.reshape([-1 if i == d else 1 for i in range(ndim)])
     missing = float(cell_volume[counts == 0].sum()) / total if total else 0.0
     return Coverage(missing, bool((counts > 1).any()), out_of_bounds)
+
+
+def _regular_grid_coverage(global_shape: Sequence[int], boxes: list) -> Coverage | None:
+    """Fast path for the usual case: equal boxes on a grid of their size (a set, no array).
+
+    None when the boxes are not such a grid; the general path handles them.
+    """
+    if not boxes:
+        return None
+    size = boxes[0][1]
+    if any(s != size for _, s in boxes) or any(
+            o % max(n, 1) for offsets, _ in boxes for o, n in zip(offsets, size)):
+        return None
+    cells = math.prod(-(-g // max(n, 1)) for g, n in zip(global_shape, size))
+    if any(g % max(n, 1) for g, n in zip(global_shape, size)):
+        return None  # a ragged last row of cells: let the general path measure it
+    distinct = len({o for o, _ in boxes})
+    return Coverage(1 - distinct / cells if cells else 0.0, distinct < len(boxes), False)
 
 
 # ---------------------------------------------------------------------------------------------
