@@ -7,7 +7,8 @@ through (expert global shapes 1/ETP of the truth, tiled perfectly), and (b) it r
 only, leaving the other ranks to hang in the save collectives. The guard runs on every rank on
 the metadata megatron has already all-gathered, checks tiling and config-implied shapes (expert
 tensors first) and raises everywhere before a byte is written, so the previous checkpoint and
-the tracker file stay as they were.
+the tracker file stay as they were. fsdp_dtensor saves (torch.distributed.checkpoint.save of
+DTensors, whose placements always cover their shape) get the config-shape check.
 
 Load guard ("checkpoint-load-guard"): before `dist_checkpointing.load` reads anything it compares
 the checkpoint's `.metadata` with the sharded state dict of the model being loaded into (and with
@@ -26,6 +27,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+import torch.distributed.checkpoint
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization, state_dict_utils
@@ -44,6 +46,7 @@ from megatron_patches.checkpoint_audit import (
     ModelDims,
     TensorFinding,
     UnreadableCheckpoint,
+    expected_shape,
     judge_tensor,
     read_checkpoint_metadata,
 )
@@ -171,6 +174,58 @@ def apply_save_guard() -> None:
             module.validate_sharding_integrity = _guard_validate(module.validate_sharding_integrity)
     if not hasattr(serialization.save_preprocess, _MARK):
         serialization.save_preprocess = _guard_save_preprocess(serialization.save_preprocess)
+    # fsdp_dtensor: megatron.training calls torch.distributed.checkpoint.save on DTensors.
+    if not hasattr(torch.distributed.checkpoint.save, _MARK):
+        torch.distributed.checkpoint.save = _guard_dcp_save(torch.distributed.checkpoint.save)
+
+
+def dtensor_findings(state_dict: dict, dims: ModelDims | None) -> list[TensorFinding]:
+    """Config-implied shape verdicts for an fsdp_dtensor state dict (keys as DCP flattens them).
+
+    A DTensor's shape is its global shape and its placements cover it by construction, so only
+    the shape can be wrong: under #1836 expert DTensors sat Replicate on a mesh without the
+    ETP dim, their global shape 1/ETP of the truth.
+    """
+    if dims is None:
+        return []
+    findings = []
+    for key, value in _flatten(state_dict):
+        if isinstance(value, torch.Tensor) and expected_shape(key, value.shape, dims) is not None:
+            shape = tuple(value.shape)
+            findings.append(judge_tensor(key, shape, value.element_size(),
+                                         [((0,) * len(shape), shape)], dims))
+    return sorted(findings, key=lambda t: (not t.expert, t.key))
+
+
+def _flatten(tree: Any, prefix: str = ""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], tree
+
+
+def _guard_dcp_save(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def save(state_dict, *args, **kwargs):
+        dims = _model_dims(state_dict)
+        bad = [t for t in dtensor_findings(state_dict, dims) if not t.ok]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # Every rank must refuse, or the others wait in DCP's collectives forever.
+            counts: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(counts, len(bad))
+            refuse = any(counts)
+        else:
+            refuse = bool(bad)
+        if refuse:
+            raise IncompleteCheckpointError(describe_refusal(bad, "save the checkpoint") if bad
+                                            else "[megatron_patches] refusing to save the "
+                                            "checkpoint: another rank found tensors with wrong "
+                                            f"global shapes ({UPSTREAM})")
+        return original(state_dict, *args, **kwargs)
+
+    setattr(save, _MARK, True)
+    return save
 
 
 def _save_guard_not_needed(context: registry.PatchContext) -> str | None:

@@ -6,6 +6,7 @@ Scenarios (each one spawn of 2 ranks, results in OUT_DIR/result_rank{R}.json):
   make    good checkpoints etp1/ (TP1 EP2 ETP1) and etp2/ (TP2 EP1 ETP2), and damaged/.
   guards  with both guard patches applied: save good, then try to save a damaged layout on top;
           try to load OUT_DIR/damaged/, then load OUT_DIR/etp2/ (made by `make`).
+  fsdp_guard  DTensor checkpoints in fsdp_dtensor's layout through the guarded DCP save.
   bench   save the model at ETP1 and ETP2, then time ETP2 saves with and without the save guard.
 
 How the damaged checkpoint reproduces Megatron-LM #1836: we build the real ETP=2 sharded state
@@ -186,6 +187,40 @@ def scenario_guards(out: str) -> dict:
     }
 
 
+def scenario_fsdp_guard(out: str) -> dict:
+    """DTensor state dicts in fsdp_dtensor's layout, saved through the guarded DCP save: one
+    sharded across both ranks (good), one with expert weights Replicate at 1/ETP rows (#1836
+    under Megatron-FSDP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from megatron_patches import checkpoint_guard
+
+    checkpoint_guard.apply_save_guard()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    args = model_args(tp=1, ep=1, etp=2)
+    h, f = args.hidden_size, args.moe_ffn_hidden_size
+
+    def model(rows: int, placement) -> dict:
+        weights = {}
+        for e in range(args.num_experts):
+            name = f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc"
+            weights[name + "1.weight_w"] = distribute_tensor(torch.ones(rows, h), mesh, [placement])
+            weights[name + "1.weight_v"] = distribute_tensor(torch.ones(rows, h), mesh, [placement])
+            weights[name + "2.weight"] = distribute_tensor(torch.ones(h, rows), mesh, [placement])
+        return weights
+
+    def save_dcp(name: str, weights: dict) -> None:
+        dcp.save({"model": weights, "args": args}, checkpoint_id=os.path.join(out, name))
+
+    good = _attempt(lambda: save_dcp("fsdp_good", model(f, Shard(0))))
+    dist.barrier()
+    damaged = _attempt(lambda: save_dcp("fsdp_damaged", model(f // 2, Replicate())))
+    dist.barrier()
+    return {"good": good, "damaged": damaged}
+
+
 def _snapshot(root: str) -> dict[str, list[int]]:
     """(size, mtime_ns) of every file under root, to show a refused save changed nothing."""
     files = {}
@@ -232,7 +267,8 @@ def scenario_bench(out: str, repeats: int = 7) -> dict:
     return {"times": times, "check_times": check_times}
 
 
-SCENARIOS = {"make": scenario_make, "guards": scenario_guards, "bench": scenario_bench}
+SCENARIOS = {"make": scenario_make, "guards": scenario_guards, "bench": scenario_bench,
+             "fsdp_guard": scenario_fsdp_guard}
 
 
 def _rank_main(rank: int, scenario: str, out: str, port: int) -> None:

@@ -16,7 +16,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_patches import checkpoint_audit, checkpoint_guard, registry
 
-from _checkpoints import guard_results
+from _checkpoints import guard_results, run_scenario
 from _ckpt_worker import model_args
 
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
@@ -60,6 +60,22 @@ def test_patches_report_status_and_apply_once():
                    and "#1836" in line for line in result["statuses"])
         assert any(line.startswith("[megatron_patches] checkpoint-load-guard: applied")
                    for line in result["statuses"])
+
+
+@pytest.mark.slow
+def test_save_guard_refuses_fsdp_dtensor_experts_at_one_etp_shard(tmp_path):
+    """Real DTensors on a 2-rank gloo mesh through the guarded torch.distributed.checkpoint.save,
+    the call megatron.training makes for --ckpt-format fsdp_dtensor."""
+    results = run_scenario("fsdp_guard", str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["good"] is None, (rank, result["good"])
+        assert result["damaged"].startswith("IncompleteCheckpointError"), (rank, result["damaged"])
+        assert ("model.decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight: global shape "
+                "[32, 24] but the config implies [32, 48]; missing fraction 50.0%") in result["damaged"]
+    assert not (tmp_path / "fsdp_damaged" / ".metadata").exists()
+    report = checkpoint_audit.audit(str(tmp_path / "fsdp_good"))
+    assert report.format == "fsdp_dtensor" and report.exit_status == checkpoint_audit.EXIT_COMPLETE
+    assert sum(t.expert and t.shape_ok for t in report.tensors) == 8 * 3
 
 
 def test_patches_are_registered_for_the_affected_versions():
