@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from megatron_patches.versions import check_megatron_version
+from megatron_patches.versions import UnsupportedMegatronVersion, check_megatron_version
 
 
 def log0(line: str) -> None:
@@ -28,13 +28,15 @@ def main(argv: list[str]) -> None:
         cpu_backend.activate()
 
     from megatron_patches import registry
-    from moe_launcher.platform_defaults import set_environment_defaults, with_platform_defaults
+    from moe_launcher.platform_defaults import (
+        set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
     registry.load_patches()
     for status in registry.apply_patches(registry.current_context(cpu_backend=on_cpu)):
         log0(status.line())
-    argv, default_lines = with_platform_defaults(argv, on_cpu=on_cpu)
-    for line in default_lines + set_environment_defaults(argv, os.environ):
+    argv, platform_lines = with_platform_defaults(argv, on_cpu=on_cpu)
+    argv, logging_lines = with_logging_defaults(argv)
+    for line in platform_lines + logging_lines + set_environment_defaults(argv, os.environ):
         log0(line)
 
     from megatron.core.enums import ModelType
@@ -54,4 +56,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UnsupportedMegatronVersion as error:
+        sys.exit(f"pretrain_moe: error: {error}")

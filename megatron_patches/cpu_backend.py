@@ -55,7 +55,7 @@ class _CudaToCpu(TorchFunctionMode):
             return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        if func in (torch.Tensor.to, torch.Tensor.new_empty) or getattr(func, "__name__", "") == "to":
+        if func is torch.Tensor.to:  # .to("cuda") / .to(0): the device is positional
             args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
         return func(*args, **kwargs)
 

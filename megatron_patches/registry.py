@@ -8,6 +8,7 @@ reports one status line at startup.
 from __future__ import annotations
 
 import dataclasses
+import os
 from importlib.metadata import version as installed_version
 from typing import Callable
 
@@ -21,6 +22,7 @@ class PatchContext:
 
     megatron_version: Version
     cpu_backend: bool
+    disabled: frozenset[str] = frozenset()  # names the user switched off (DISABLE_ENV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +62,17 @@ def registered() -> list[Patch]:
     return list(_REGISTRY.values())
 
 
+# Comma-separated patch names to leave unapplied, e.g. to reproduce an upstream bug.
+DISABLE_ENV = "MEGATRON_PATCHES_DISABLE"
+
+
 def current_context(cpu_backend: bool) -> PatchContext:
-    return PatchContext(Version(installed_version("megatron-core")), cpu_backend)
+    disabled = frozenset(filter(None, os.environ.get(DISABLE_ENV, "").split(",")))
+    unknown = disabled - set(_REGISTRY)
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV} names unknown patches {sorted(unknown)}; "
+                         f"known: {sorted(_REGISTRY)}")
+    return PatchContext(Version(installed_version("megatron-core")), cpu_backend, disabled)
 
 
 def apply_patches(context: PatchContext) -> list[PatchStatus]:
@@ -71,7 +82,9 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         if patch.name in _APPLIED:
             statuses.append(_APPLIED[patch.name])
             continue
-        if context.megatron_version not in SpecifierSet(patch.versions):
+        if patch.name in context.disabled:
+            status = PatchStatus(patch.name, False, f"disabled by {DISABLE_ENV}")
+        elif context.megatron_version not in SpecifierSet(patch.versions):
             status = PatchStatus(patch.name, False, f"targets megatron-core {patch.versions}, "
                                  f"running {context.megatron_version}")
         elif (reason := patch.not_needed_because(context)) is not None:
@@ -89,6 +102,9 @@ PATCH_MODULES = (
     "megatron_patches.dataset_helpers",
     "megatron_patches.local_norm_sequence_parallel",
     "megatron_patches.distopt_torch_adam",
+    "megatron_patches.layer_layout",
+    "megatron_patches.flops",
+    "megatron_patches.mfu",
 )
 
 

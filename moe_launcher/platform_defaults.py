@@ -6,6 +6,7 @@ reported with one log line saying why.
 
 import dataclasses
 import importlib.util
+import os
 
 import torch
 
@@ -54,12 +55,41 @@ def with_platform_defaults(argv: list[str], on_cpu: bool | None = None,
     """Returns argv with the missing platform flags appended, and one log line per added flag."""
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
     have_te = transformer_engine_available() if have_te is None else have_te
+    return _add_missing(argv, platform_defaults(on_cpu, have_te))
+
+
+def _add_missing(argv: list[str], defaults) -> tuple[list[str], list[str]]:
+    """argv with the defaults the user did not decide appended, and one log line per default."""
     added, lines = [], []
-    for default in platform_defaults(on_cpu, have_te):
+    for default in defaults:
         if not default.is_decided(argv):
             added += default.flags
             lines.append(f"[pretrain_moe] default {' '.join(default.flags)}: {default.reason}")
     return argv + added, lines
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def with_logging_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
+    """With `--wandb-project`, the flags megatron needs to send loss and throughput to wandb: it
+    logs scalars to wandb only through its TensorBoard writer, and throughput only with
+    `--log-throughput --log-timers-to-tensorboard`."""
+    if _flag_value(argv, "--wandb-project") is None:
+        return argv, []
+    base = _flag_value(argv, "--wandb-save-dir") or _flag_value(argv, "--save") or "runs"
+    return _add_missing(argv, (
+        PlatformDefault(("--tensorboard-dir", os.path.join(base, "tensorboard")),
+                        "wandb scalars go through megatron's TensorBoard writer"),
+        PlatformDefault(("--log-throughput",), "throughput to the log and wandb"),
+        PlatformDefault(("--log-timers-to-tensorboard",), "megatron sends throughput to wandb only with it"),
+    ))
 
 
 def set_environment_defaults(argv: list[str], environ) -> list[str]:

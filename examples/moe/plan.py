@@ -1,0 +1,478 @@
+#!/usr/bin/env python
+"""Dry-run planner for MoE pretraining commands: checks a parallel layout without a GPU.
+
+    python examples/moe/plan.py --world-size 32 -- <megatron-LM flags...>
+
+Adds the flags and environment pretrain_moe.py adds on a GPU node, parses them with megatron's
+own parser (megatron.training.arguments.parse_args, so flag parsing is identical to the real
+run), checks the layout arithmetic against the world size (the per-stage layer split with
+megatron_patches.layer_layout), runs megatron's validate_args and TransformerConfig checks on a
+simulated H100, and prints the layout, the per-GPU parameter + optimizer memory estimate and
+the model FLOPs (megatron_patches.flops, the same numbers the training log prints). Nothing is
+trained, no process group is created. Exits 1 (and names the flag and the fix) when the
+layout cannot run, 2 when the flags do not parse.
+
+Used by `DRY_RUN=1 bash examples/moe/train.sh` / `bash examples/moe/train.sh --dry-run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import io
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GIB = 1024**3
+
+
+class PlanError(Exception):
+    """A layout the world size cannot run; the message names the flag and the fix."""
+
+
+from megatron_patches.flops import ModelShape, flops_per_batch  # noqa: E402
+from megatron_patches.layer_layout import (  # noqa: E402
+    LayerCensus, LayerLayout, LayerLayoutError, expected_moe_layers, validate_layer_layout)
+from moe_launcher.platform_defaults import (  # noqa: E402
+    set_environment_defaults, with_logging_defaults, with_platform_defaults)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsing with megatron's parser
+# --------------------------------------------------------------------------------------------
+def launcher_view(flags: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment pretrain_moe.py hands megatron on an H100 with Transformer
+    Engine: its platform and logging defaults, and its environment defaults."""
+    flags, _ = with_platform_defaults(list(flags), on_cpu=False, have_te=True)
+    flags, _ = with_logging_defaults(flags)
+    env = {k: v for k, v in os.environ.items() if k == "CUDA_DEVICE_MAX_CONNECTIONS"}
+    set_environment_defaults(flags, env)
+    return flags, env
+
+
+def parse_megatron_flags(flags: list[str], world_size: int):
+    """megatron.training.arguments.parse_args on `flags`, as rank 0 of `world_size` ranks."""
+    from megatron.training.arguments import parse_args
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
+    with mock.patch.dict(os.environ, env), mock.patch.object(
+            sys, "argv", ["pretrain_moe.py", *flags]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # argparse 'type' deprecation
+        return parse_args()
+
+
+@contextlib.contextmanager
+def simulated_hopper():
+    """Lets megatron's GPU/TE-dependent checks run on a CPU-only machine, as if on an H100 in
+    the NGC image: compute capability 9.0, Transformer Engine new enough, fused RoPE present."""
+    import torch
+    import megatron.training.arguments as margs
+    import megatron.core.transformer.transformer_config as tcfg
+    import megatron.core.models.common.embeddings.rope_utils as rope
+
+    def te_stub(*args, **kwargs):
+        raise RuntimeError("dry run: Transformer Engine kernel stub called")
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability",
+                                              return_value=(9, 0)))
+        stack.enter_context(mock.patch.object(margs, "get_device_arch_version", return_value=9))
+        stack.enter_context(mock.patch.object(tcfg, "is_te_min_version", return_value=True))
+        if getattr(rope, "fused_apply_rotary_pos_emb", None) is None:
+            stack.enter_context(mock.patch.object(rope, "fused_apply_rotary_pos_emb", te_stub,
+                                                  create=True))
+        yield
+
+
+# --------------------------------------------------------------------------------------------
+# Layout arithmetic
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    vpp: int | None
+    stages: list[int]
+    moe_pattern: list[int]  # 1 = MoE layer, 0 = dense, one entry per layer
+
+    def line(self) -> str:
+        return (f"[layout] world={self.world} TP={self.tp} PP={self.pp} CP={self.cp} "
+                f"DP={self.dp} | EP={self.ep} ETP={self.etp} expert-DP={self.edp} | "
+                f"VPP={self.vpp or 1} | layers per stage: {','.join(map(str, self.stages))}")
+
+
+def _virtual_pipeline(args) -> int | None:
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None and args.pipeline_model_parallel_size:
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        return max(1, per_stage // args.num_layers_per_virtual_pipeline_stage)
+    return None
+
+
+def moe_pattern(args) -> list[int]:
+    if not args.num_experts:
+        return [0] * args.num_layers
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
+    pattern = list(freq)
+    if len(pattern) != args.num_layers:
+        raise PlanError(f"--moe-layer-freq describes {len(pattern)} layers but --num-layers is "
+                        f"{args.num_layers}; make the pattern list {args.num_layers} long")
+    return pattern
+
+
+def check_layout(args) -> Layout:
+    """Raises PlanError naming the flag and the fix for the first arithmetic that fails."""
+    w = args.world_size
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    model = tp * pp * cp
+    if w % model:
+        raise PlanError(
+            f"world size {w} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {model}; "
+            f"fix: run on a multiple of {model} GPUs (NODES x GPUS_PER_NODE) or change "
+            f"--pipeline-model-parallel-size/--tensor-model-parallel-size")
+    dp = w // model
+    # Expert grid: EP x ETP x expert-DP spans the same ranks as TP x CP x DP within a stage.
+    per_stage = w // pp
+    if per_stage % (ep * etp):
+        raise PlanError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
+            f"does not divide the {per_stage} ranks of a pipeline stage (world {w} / "
+            f"--pipeline-model-parallel-size {pp}); fix: choose --expert-model-parallel-size and "
+            f"--expert-tensor-parallel-size whose product divides {per_stage}, or run on more GPUs")
+    edp = per_stage // (ep * etp)
+    heads = args.num_attention_heads
+    if heads % tp:
+        raise PlanError(f"--num-attention-heads {heads} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}; fix: use a TP that divides {heads}")
+    if args.group_query_attention and not args.multi_latent_attention:
+        groups = args.num_query_groups
+        if groups % tp:
+            raise PlanError(f"--num-query-groups {groups} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}; fix: use a TP that divides "
+                            f"{groups}")
+    if args.num_experts:
+        if args.num_experts % ep:
+            raise PlanError(f"--num-experts {args.num_experts} is not divisible by "
+                            f"--expert-model-parallel-size {ep}; fix: use an EP that divides "
+                            f"{args.num_experts}")
+        ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        if ffn and ffn % etp:
+            raise PlanError(f"--moe-ffn-hidden-size {ffn} is not divisible by "
+                            f"--expert-tensor-parallel-size {etp}; fix: use an ETP that divides "
+                            f"{ffn}")
+    elif ep > 1:
+        raise PlanError("--expert-model-parallel-size > 1 needs --num-experts")
+    if args.ffn_hidden_size and args.ffn_hidden_size % tp:
+        raise PlanError(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+                        f"--tensor-model-parallel-size {tp}")
+    if cp > 1 and args.seq_length % (2 * cp):
+        raise PlanError(f"--seq-length {args.seq_length} must be divisible by 2 x "
+                        f"--context-parallel-size {cp}")
+    if args.global_batch_size is not None and args.global_batch_size % (
+            args.micro_batch_size * dp):
+        raise PlanError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}; fix: make "
+            f"--global-batch-size a multiple of {args.micro_batch_size * dp}")
+    if args.train_iters is not None and args.eval_interval is None:
+        raise PlanError("--eval-interval is unset: megatron 0.19.2 divides --train-iters by it "
+                        "when it builds the datasets (also with --eval-iters 0); fix: pass "
+                        "--eval-interval N")
+    # Checkpoint format: Megatron-FSDP in 0.19.2 saves only fsdp_dtensor.
+    if args.use_megatron_fsdp and args.ckpt_format != "fsdp_dtensor":
+        raise PlanError(f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got "
+                        f"--ckpt-format {args.ckpt_format}); fix: pass --ckpt-format fsdp_dtensor")
+    if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
+        raise PlanError("--ckpt-format fsdp_dtensor is only for --use-megatron-fsdp; fix: pass "
+                        "--use-megatron-fsdp or use --ckpt-format torch_dist")
+    # Layers per pipeline stage.
+    vpp = _virtual_pipeline(args)
+    pattern = moe_pattern(args)
+    layer_layout = LayerLayout.from_args(args)
+    if layer_layout is None:
+        stages = [-1] * pp  # explicit layouts: megatron's validate_args/TransformerConfig check them
+    else:
+        try:
+            stages = list(validate_layer_layout(layer_layout))
+        except LayerLayoutError as exc:
+            raise PlanError(str(exc)) from None
+    return Layout(w, tp, pp, cp, dp, ep, etp, edp, vpp, stages, pattern)
+
+
+def run_megatron_validation(args, env: dict[str, str]):
+    """megatron's own validate_args, then its TransformerConfig checks, on a copy of the args
+    (simulated H100); failures become PlanError quoting megatron's message."""
+    from megatron.training.arguments import validate_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    view = copy.deepcopy(args)
+    out = io.StringIO()
+    environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    environ.update(env)
+    with simulated_hopper(), warnings.catch_warnings(), contextlib.redirect_stdout(out), \
+            mock.patch.dict(os.environ, environ, clear=True):
+        warnings.simplefilter("ignore")
+        try:
+            validate_args(view, {})
+        except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
+            raise PlanError(f"megatron validate_args rejected the flags: {exc}") from None
+        try:
+            return view, core_transformer_config_from_args(view)
+        except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
+            raise PlanError(f"megatron TransformerConfig rejected the flags: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters, memory, FLOPs
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Counts:
+    attention: int  # per layer
+    dense_mlp: int  # per dense layer
+    expert: int  # one routed expert
+    shared: int  # shared experts of one MoE layer
+    router: int
+    norms: int  # per layer
+    embedding: int
+    output: int  # 0 when tied
+    padded_vocab: int
+
+
+def padded_vocab(args) -> int:
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    return vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+
+
+def count_parameters(args) -> Counts:
+    h = args.hidden_size
+    n = args.num_attention_heads
+    head = args.kv_channels or h // n
+    gated = 3 if args.swiglu else 2
+    norm = h if args.normalization == "RMSNorm" else 2 * h
+    if args.multi_latent_attention:
+        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+        if args.q_lora_rank:
+            q = h * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * n * qk
+        else:
+            q = h * n * qk
+        kv = (h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank
+              + args.kv_lora_rank * n * (args.qk_head_dim + args.v_head_dim))
+        attention = q + kv + n * args.v_head_dim * h
+    else:
+        groups = args.num_query_groups if args.group_query_attention else n
+        attention = h * (n + 2 * groups) * head + n * head * h
+        if args.qk_layernorm:
+            attention += 2 * head
+    if args.add_bias_linear:  # projection biases (MLP biases are left out: small)
+        attention += 4 * h
+    moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    vocab = padded_vocab(args)
+    return Counts(
+        attention=attention,
+        dense_mlp=gated * h * args.ffn_hidden_size,
+        expert=gated * h * moe_ffn if args.num_experts else 0,
+        shared=gated * h * (args.moe_shared_expert_intermediate_size or 0),
+        router=h * (args.num_experts or 0),
+        norms=2 * norm,
+        embedding=vocab * h,
+        output=0 if not args.untie_embeddings_and_output_weights else vocab * h,
+        padded_vocab=vocab,
+    )
+
+
+def totals(args, c: Counts, pattern: list[int]) -> tuple[int, int]:
+    """(total parameters, parameters active per token)."""
+    moe_layers = sum(pattern)
+    dense_layers = len(pattern) - moe_layers
+    E, k = args.num_experts or 0, args.moe_router_topk
+    base = (len(pattern) * (c.attention + c.norms) + dense_layers * c.dense_mlp
+            + moe_layers * (c.shared + c.router) + c.embedding + c.output)
+    return base + moe_layers * E * c.expert, base + moe_layers * k * c.expert
+
+
+@dataclasses.dataclass
+class Memory:
+    dense_params: int  # non-expert parameters on the busiest GPU
+    expert_params: int
+    weights: float  # bytes
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
+    """Parameter + gradient + optimizer bytes on the busiest GPU (activations excluded)."""
+    stage_sizes = layout.stages if layout.stages[0] >= 0 else [
+        args.num_layers // layout.pp] * layout.pp
+    best = None
+    start = 0
+    for s, n_layers in enumerate(stage_sizes):
+        pat = layout.moe_pattern[start:start + n_layers]
+        start += n_layers
+        dense = n_layers * (c.attention + c.norms) + (len(pat) - sum(pat)) * c.dense_mlp + sum(
+            pat) * (c.shared + c.router)
+        if s == 0:
+            dense += c.embedding
+        if s == layout.pp - 1:
+            dense += c.output if c.output else (c.embedding if layout.pp > 1 else 0)
+        dense //= layout.tp
+        expert = sum(pat) * (args.num_experts or 0) * c.expert // (layout.ep * layout.etp)
+        if best is None or dense + expert > best[0] + best[1]:
+            best = (dense, expert)
+    dense, expert = best
+    low = 2 if (args.bf16 or args.fp16) else 4
+    grad = 4 if (args.bf16 or args.fp16) else 4
+    opt = 12 if (args.bf16 or args.fp16) else 8  # fp32 master copy (mixed precision) + Adam m, v
+    dense_shard = layout.dp * layout.cp
+    if args.use_megatron_fsdp:
+        strategy = args.data_parallel_sharding_strategy
+        shard_w = strategy == "optim_grads_params"
+        shard_g = strategy in ("optim_grads_params", "optim_grads")
+        shard_o = strategy != "no_shard"
+    else:
+        shard_w = shard_g = False
+        shard_o = args.use_distributed_optimizer
+
+    def part(nbytes: int, sharded: bool) -> float:
+        return nbytes * (dense / (dense_shard if sharded else 1)
+                         + expert / (layout.edp if sharded else 1))
+
+    return Memory(dense, expert, part(low, shard_w), part(grad, shard_g), part(opt, shard_o))
+
+
+def flops_per_iteration(args, config, layout: Layout) -> int:
+    """Model FLOPs of one global batch, computed by megatron_patches.flops exactly as the
+    training log's `FLOPs per iteration:` line, on the layer census the flags ask for."""
+    moe = expected_moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq)
+    stages = layout.stages if layout.stages[0] >= 0 else []
+    census = LayerCensus(dense=args.num_layers - moe, moe=moe, mtp=args.mtp_num_layers or 0,
+                         per_stage=stages)
+    shape = ModelShape.from_config(config, padded_vocab(args), args.micro_batch_size,
+                                   args.seq_length)
+    batch = args.global_batch_size
+    tokens = batch * args.seq_length
+    return int(flops_per_batch(shape, census, tokens, batch * args.seq_length ** 2))
+
+
+def human(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+# --------------------------------------------------------------------------------------------
+def quiet_imports() -> None:
+    """Import torch/megatron without their CPU-only warnings (no CUDA, no TE, no apex)."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.training.arguments  # noqa: F401
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= 0.1 * GIB else f"{nbytes / 1024**2:.1f} MiB"
+
+
+def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
+         vocab_size_hint: int | None = None) -> int:
+    quiet_imports()
+    flags, env = launcher_view(flags)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = parse_megatron_flags(flags, world_size)
+    except SystemExit as exc:  # argparse already printed the offending flag
+        print(f"dry run FAILED: megatron's parser rejected the flags (exit {exc.code}); fix the "
+              f"flag named above", file=sys.stderr)
+        return 2
+    if args.vocab_size is None:
+        args.vocab_size = vocab_size_hint  # a tokenizer's vocabulary; only for the estimates
+    try:
+        if args.num_layers is None or args.hidden_size is None or args.vocab_size is None:
+            raise PlanError("--num-layers, --hidden-size and --vocab-size (or a vocab size hint "
+                            "for a tokenizer) are needed for the estimates")
+        layout = check_layout(args)
+        validated, config = run_megatron_validation(args, env)
+    except PlanError as exc:
+        print(f"dry run FAILED: {exc}", file=sys.stderr)
+        return 1
+
+    counts = count_parameters(args)
+    total, active = totals(args, counts, layout.moe_pattern)
+    mem = memory_per_gpu(args, counts, layout)
+    flops = flops_per_iteration(validated, config, layout)
+    tokens = args.global_batch_size * args.seq_length
+    print(layout.line())
+    print(f"[plan] layer split checked by megatron_patches.layer_layout; megatron validate_args "
+          f"and TransformerConfig accept the flags (simulated H100 with Transformer Engine"
+          f"{', ' + ' '.join(f'{k}={v}' for k, v in env.items()) if env else ''})")
+    print(f"[plan] parameters: total {human(total)}, active per token {human(active)}; "
+          f"{sum(layout.moe_pattern)} MoE + {args.num_layers - sum(layout.moe_pattern)} dense "
+          f"layers, {args.num_experts or 0} experts top-{args.moe_router_topk}")
+    print(f"[plan] per-GPU shard of the busiest stage, before DP/FSDP sharding: "
+          f"{human(mem.dense_params)} non-expert + {human(mem.expert_params)} expert parameters")
+    kind = ("Megatron-FSDP " + args.data_parallel_sharding_strategy if args.use_megatron_fsdp
+            else "distributed optimizer" if args.use_distributed_optimizer
+            else "replicated optimizer")
+    print(f"[plan] per-GPU memory ({kind}): weights {size(mem.weights)} + grads "
+          f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
+          f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
+    print(f"[plan] model FLOPs per token: {flops // tokens} ({human(flops / tokens)}; "
+          f"megatron_patches.flops, forward+backward, causal attention halved)")
+    print(f"FLOPs per iteration: {flops}")
+    if mem.total > gpu_memory_gib * GIB:
+        print(f"dry run FAILED: parameters + optimizer need {mem.total / GIB:.1f} GiB per GPU, "
+              f"more than {gpu_memory_gib:g} GiB; fix: raise --expert-model-parallel-size / "
+              f"--pipeline-model-parallel-size or run on more nodes", file=sys.stderr)
+        return 1
+    print("[plan] dry run OK: nothing was started")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, flags = argv[:i], argv[i + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--world-size", type=int,
+                        default=int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1))),
+                        help="ranks the command will run on (default: $WORLD_SIZE, $SLURM_NTASKS)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                        help="memory of one GPU, for the fit check (default 80: H100 80GB)")
+    parser.add_argument("--vocab-size-hint", type=int, default=None,
+                        help="vocabulary size for the estimates when a tokenizer supplies it")
+    opts, rest = parser.parse_known_args(argv)
+    return plan(rest + flags, opts.world_size, opts.gpu_memory_gib, opts.vocab_size_hint)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+# shellcheck shell=bash disable=SC2034
+# Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 30.5B parameters, 3.3B active.
+# 48 layers, hidden 2048, 32 heads / 4 KV heads with head dim 128 (so attention width 4096 !=
+# hidden), QK RMSNorm, 128 experts of 768 top-8 with normalised top-k probabilities (= softmax
+# over the top-k logits, megatron's default), no shared expert, RMSNorm 1e-6, RoPE theta 1e6,
+# vocab 151936, untied embeddings. Trained here at sequence length 4096.
+VOCAB_SIZE=151936
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-Qwen/Qwen3-30B-A3B}
+MODEL_ARGS=(
+  --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144
+  --num-attention-heads 32 --group-query-attention --num-query-groups 4 --kv-channels 128
+  --qk-layernorm
+  --seq-length 4096 --max-position-embeddings 40960
+  --position-embedding-type rope --rotary-base 1000000
+  --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
+  --disable-bias-linear --untie-embeddings-and-output-weights
+  --num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
+)

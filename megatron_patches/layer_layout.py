@@ -1,0 +1,421 @@
+"""Which decoder layers each pipeline stage builds, checked before and after megatron builds them.
+
+NVIDIA/Megatron-LM#1778: with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
+megatron computes the middle-stage layer count as `num_layers - first - last` over
+`pipeline_size - 2` stages. When either goes to zero or below, its own checks pass anyway
+(`bool(-1)` is true, `x % -1 == 0` always), so it silently builds a different number of layers
+than --num-layers (PP=1 N=20 first=5 last=5 builds 5; PP=3 N=4 first=3 last=3 builds layers 2-3
+twice). Two guards here:
+
+* `validate_layer_layout` refuses such flags before megatron validates its arguments;
+* the layer census counts what was actually built on every pipeline rank and refuses a model
+  whose layers differ from what the flags asked for. FLOPs and the aux-loss log use the census.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+
+from megatron_patches.registry import Patch, PatchContext, register
+
+UPSTREAM = "NVIDIA/Megatron-LM#1778"
+FIRST_FLAG = "--decoder-first-pipeline-num-layers"
+LAST_FLAG = "--decoder-last-pipeline-num-layers"
+
+
+class LayerLayoutError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    num_layers: int
+    pipeline_parallel: int
+    virtual_pipeline: int | None
+    first_stage_layers: int | None
+    last_stage_layers: int | None
+
+    @classmethod
+    def from_args(cls, args) -> LayerLayout | None:
+        """The layout the flags ask for, or None where megatron places layers by other rules.
+
+        Runs before megatron's validate_args, so the virtual pipeline size is derived here the
+        way megatron will derive it. A custom --pipeline-model-parallel-layout, a hybrid layer
+        pattern and the account-for-embedding/loss splits are left to megatron's own checks:
+        they do not go through the first/last arithmetic this module guards.
+        """
+        if (getattr(args, "pipeline_model_parallel_layout", None) is not None
+                or getattr(args, "hybrid_layer_pattern", None) is not None
+                or getattr(args, "account_for_embedding_in_pipeline_split", False)
+                or getattr(args, "account_for_loss_in_pipeline_split", False)
+                or args.num_layers is None):
+            return None
+        pp = args.pipeline_model_parallel_size
+        vpp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+        per_virtual_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+        if vpp is None and per_virtual_stage is not None:
+            if args.num_layers % pp or (args.num_layers // pp) % per_virtual_stage:
+                return None  # megatron's own divisibility assertions name these flags
+            vpp = args.num_layers // pp // per_virtual_stage
+        if vpp is None:
+            vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+        return cls(
+            num_layers=args.num_layers,
+            pipeline_parallel=pp,
+            virtual_pipeline=vpp if vpp and vpp > 1 else None,
+            first_stage_layers=args.decoder_first_pipeline_num_layers,
+            last_stage_layers=args.decoder_last_pipeline_num_layers,
+        )
+
+    def flags(self) -> str:
+        parts = [f"--num-layers={self.num_layers}",
+                 f"--pipeline-model-parallel-size={self.pipeline_parallel}"]
+        if self.virtual_pipeline is not None:
+            parts.append(f"(virtual pipeline size {self.virtual_pipeline})")
+        if self.first_stage_layers is not None:
+            parts.append(f"{FIRST_FLAG}={self.first_stage_layers}")
+        if self.last_stage_layers is not None:
+            parts.append(f"{LAST_FLAG}={self.last_stage_layers}")
+        return " ".join(parts)
+
+
+def validate_layer_layout(layout: LayerLayout) -> list[int]:
+    """Decoder layers per pipeline stage; raises LayerLayoutError where megatron would misplace."""
+    n, pp, vpp = layout.num_layers, layout.pipeline_parallel, layout.virtual_pipeline
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+
+    def refuse(problem: str, fix: str) -> LayerLayoutError:
+        return LayerLayoutError(f"{layout.flags()}: {problem} ({UPSTREAM}). Fix: {fix}")
+
+    if n < 1 or pp < 1:
+        raise refuse("need at least one layer and one pipeline stage",
+                     "set --num-layers and --pipeline-model-parallel-size to positive values")
+
+    if first is None and last is None:
+        if n % pp:
+            raise refuse(f"{n} layers do not split evenly over {pp} pipeline stages",
+                         f"use a multiple of {pp} layers, or {FIRST_FLAG}/{LAST_FLAG} "
+                         "for an uneven split")
+        per_stage = [n // pp] * pp
+    elif pp == 1:
+        for flag, value in ((FIRST_FLAG, first), (LAST_FLAG, last)):
+            if value is not None and value != n:
+                raise refuse(f"with one pipeline stage {flag}={value} contradicts --num-layers={n}; "
+                             f"megatron-core builds {value} layers or fails",
+                             f"drop {FIRST_FLAG} and {LAST_FLAG} (one stage holds every layer)")
+        return [n]
+    else:
+        per_stage = _uneven_split(layout, refuse)
+
+    if vpp is not None and pp > 1:
+        for stage, layers in enumerate(per_stage):
+            if layers % vpp:
+                raise refuse(f"pipeline stage {stage} would hold {layers} layers, which do not "
+                             f"split into {vpp} virtual stages",
+                             f"give every pipeline stage a multiple of {vpp} layers")
+    return per_stage
+
+
+def _uneven_split(layout: LayerLayout, refuse: Callable[[str, str], LayerLayoutError]) -> list[int]:
+    n, pp = layout.num_layers, layout.pipeline_parallel
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    for flag, value in ((FIRST_FLAG, first), (LAST_FLAG, last)):
+        if value is not None and not 1 <= value <= n - 1:
+            raise refuse(f"{flag}={value} must be between 1 and {n - 1} so every other stage "
+                         "keeps at least one layer",
+                         f"pick {flag} in [1, {n - 1}]")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = n - (first or 0) - (last or 0)
+    if middle_stages == 0:
+        if middle_layers != 0:
+            raise refuse(f"with {pp} stages the first and last stage are all there is, but "
+                         f"{first} + {last} = {first + last} layers, not {n}",
+                         f"make {FIRST_FLAG} + {LAST_FLAG} = {n}")
+        return [first, last]
+    if middle_layers < middle_stages:
+        raise refuse(f"{middle_layers} layers are left for {middle_stages} middle pipeline "
+                     "stage(s); megatron-core would build layers twice or not at all",
+                     f"leave at least one layer per middle stage: first + last <= "
+                     f"{n - middle_stages}")
+    if middle_layers % middle_stages:
+        raise refuse(f"the {middle_layers} layers left for {middle_stages} middle pipeline "
+                     "stages do not split evenly",
+                     f"choose first/last so that {n} - first - last is a multiple of "
+                     f"{middle_stages}")
+    middle = [middle_layers // middle_stages] * middle_stages
+    return ([first] if first is not None else []) + middle + ([last] if last is not None else [])
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer census: what megatron actually built.
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerCensus:
+    dense: int  # decoder layers with a dense MLP
+    moe: int  # decoder layers whose mlp is a MoELayer
+    mtp: int  # MTP layer applications per forward (a repeated MTP layer counts each depth)
+    per_stage: list[int]  # decoder layers per pipeline rank
+    mtp_moe: int = 0  # of the MTP applications, those whose inner layer is MoE
+    layer_numbers: tuple[int, ...] = ()  # 1-based decoder layer numbers, all stages, sorted
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.dense + self.moe
+
+    @property
+    def moe_layers_with_mtp(self) -> int:
+        return self.moe + self.mtp_moe
+
+    def summary(self) -> str:
+        return (f"layers per pipeline stage {self.per_stage}; {self.dense} dense, {self.moe} MoE "
+                f"decoder layers; {self.mtp} MTP ({self.mtp_moe} MoE)")
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    # DDP, FSDP and Float16Module all keep the wrapped model in .module.
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def _has_moe(module: torch.nn.Module) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    return any(isinstance(m, MoELayer) for m in module.modules())
+
+
+def _local_counts(model_chunks) -> dict:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    numbers, moe_numbers, mtp, mtp_moe = [], [], 0, 0
+    for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+        model = _unwrap(chunk)
+        decoder = getattr(model, "decoder", None)
+        for layer in getattr(decoder, "layers", []):
+            numbers.append(layer.layer_number)
+            if isinstance(getattr(layer, "mlp", None), MoELayer):
+                moe_numbers.append(layer.layer_number)
+        block = getattr(model, "mtp", None) if getattr(model, "mtp_process", False) else None
+        if block is not None:
+            depths = model.config.mtp_num_layers
+            repeated = getattr(block, "mtp_use_repeated_layer", False)
+            for layer in block.layers:
+                applications = depths if repeated else 1
+                mtp += applications
+                mtp_moe += applications * _has_moe(layer.mtp_model_layer)
+    return {"numbers": numbers, "moe_numbers": moe_numbers, "mtp": mtp, "mtp_moe": mtp_moe}
+
+
+def census_of_model(model_chunks, pp_group=None) -> LayerCensus:
+    """Counts the decoder and MTP layers built on every pipeline rank.
+
+    Each rank counts its own model chunks; the counts are gathered over the pipeline group so
+    every rank sees the whole model. Without torch.distributed the local counts are the model.
+    """
+    local = _local_counts(model_chunks)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if pp_group is None:
+            from megatron.core import parallel_state
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+        stages = [None] * torch.distributed.get_world_size(pp_group)
+        torch.distributed.all_gather_object(stages, local, group=pp_group)
+    else:
+        stages = [local]
+    numbers = [n for s in stages for n in s["numbers"]]
+    moe = sum(len(s["moe_numbers"]) for s in stages)
+    return LayerCensus(
+        dense=len(numbers) - moe,
+        moe=moe,
+        mtp=sum(s["mtp"] for s in stages),
+        per_stage=[len(s["numbers"]) for s in stages],
+        mtp_moe=sum(s["mtp_moe"] for s in stages),
+        layer_numbers=tuple(sorted(numbers)),
+    )
+
+
+def expected_moe_layers(num_layers: int, num_experts: int | None, moe_layer_freq) -> int:
+    """MoE decoder layers the flags ask for (megatron's --moe-layer-freq semantics)."""
+    if not num_experts:
+        return 0
+    if isinstance(moe_layer_freq, int):
+        return sum(1 for i in range(num_layers) if i % moe_layer_freq == 0)
+    return sum(moe_layer_freq)
+
+
+def check_census(census: LayerCensus, *, num_layers: int, num_experts: int | None,
+                 moe_layer_freq=1, mtp_num_layers: int | None = None) -> None:
+    """Raises LayerLayoutError when the built model is not the model the flags describe."""
+    problems = []
+    if census.layer_numbers != tuple(range(1, num_layers + 1)):
+        seen = census.layer_numbers
+        twice = sorted({n for n in seen if seen.count(n) > 1})
+        missing = sorted(set(range(1, num_layers + 1)) - set(seen))
+        problems.append(f"{len(seen)} decoder layers built for --num-layers={num_layers}"
+                        + (f", layers {twice} built twice" if twice else "")
+                        + (f", layers {missing} missing" if missing else ""))
+    want_moe = expected_moe_layers(num_layers, num_experts, moe_layer_freq)
+    if census.moe != want_moe:
+        problems.append(f"{census.moe} MoE layers built, --moe-layer-freq asks for {want_moe}")
+    if census.mtp != (mtp_num_layers or 0):
+        problems.append(f"{census.mtp} MTP layers built, --mtp-num-layers={mtp_num_layers}")
+    if problems:
+        raise LayerLayoutError(
+            f"megatron-core built a different model than the flags ask for ({UPSTREAM}): "
+            + "; ".join(problems) + f". Built: {census.summary()}. Fix: check "
+            f"{FIRST_FLAG}/{LAST_FLAG} and --pipeline-model-parallel-layout against --num-layers.")
+
+
+# Who needs the census once the model is built (FLOPs, aux-loss log); called in order.
+_CENSUS_LISTENERS: list[Callable[[LayerCensus, object, object], None]] = []
+_BUILT: dict[str, LayerCensus] = {}
+
+
+def on_census(listener: Callable[[LayerCensus, object, object], None]) -> None:
+    """listener(census, args, model_config) runs after the census of the built model."""
+    if listener not in _CENSUS_LISTENERS:
+        _CENSUS_LISTENERS.append(listener)
+
+
+def built_census() -> LayerCensus | None:
+    return _BUILT.get("census")
+
+
+def record_census(census: LayerCensus, args, model_config) -> None:
+    _BUILT["census"] = census
+    for listener in _CENSUS_LISTENERS:
+        listener(census, args, model_config)
+
+
+def _print_rank_0(message: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Patches.
+# ---------------------------------------------------------------------------------------------
+
+def _megatron_accepts_pp1_first_last() -> bool:
+    """Asks megatron's own placement: does PP=1, N=20, first=5, last=5 build 20 layers?"""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    try:
+        config = TransformerConfig(num_layers=20, hidden_size=8, num_attention_heads=1,
+                                   num_layers_in_first_pipeline_stage=5,
+                                   num_layers_in_last_pipeline_stage=5)
+        return get_num_layers_to_build(config, vp_stage=None, pp_rank=0) != 20
+    except (AssertionError, ValueError):
+        return False
+
+
+def _validation_not_needed(context: PatchContext) -> str | None:
+    if _megatron_accepts_pp1_first_last():
+        return None
+    return "megatron-core refuses PP=1 with uneven first/last stage layers itself"
+
+
+def _apply_validation() -> None:
+    from megatron.training import arguments
+    if getattr(arguments.validate_args, "_layer_layout_checked", False):
+        return
+    megatron_validate_args = arguments.validate_args
+
+    @functools.wraps(megatron_validate_args)
+    def validate_args(args, *rest, **kwargs):
+        layout = LayerLayout.from_args(args)
+        if layout is not None:
+            validate_layer_layout(layout)
+        return megatron_validate_args(args, *rest, **kwargs)
+
+    validate_args._layer_layout_checked = True
+    arguments.validate_args = validate_args
+
+
+register(Patch(
+    name="layer-layout-validation",
+    upstream=UPSTREAM,
+    versions=">=0.15,<0.20",
+    summary="refuses --decoder-first/last-pipeline-num-layers splits that megatron misplaces, "
+            "before megatron.training.arguments.validate_args",
+    not_needed_because=_validation_not_needed,
+    apply=_apply_validation,
+))
+
+
+def _census_not_needed(context: PatchContext) -> str | None:
+    # The census is this project's own check and feeds FLOPs/aux-loss; always wanted.
+    return None
+
+
+def _apply_census() -> None:
+    from megatron.training import training
+    if getattr(training.setup_model_and_optimizer, "_layer_census", False):
+        return
+    megatron_setup = training.setup_model_and_optimizer
+
+    @functools.wraps(megatron_setup)
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, optimizer, scheduler = megatron_setup(*args, **kwargs)
+        from megatron.training import get_args
+        margs = get_args()
+        census = census_of_model(model)
+        if margs.hybrid_layer_pattern is None:
+            check_census(census, num_layers=margs.num_layers, num_experts=margs.num_experts,
+                         moe_layer_freq=margs.moe_layer_freq,
+                         mtp_num_layers=margs.mtp_num_layers)
+        _print_rank_0(f"[megatron_patches] layer census: {census.summary()}")
+        record_census(census, margs, _unwrap(model[0] if isinstance(model, list) else model).config)
+        return model, optimizer, scheduler
+
+    setup_model_and_optimizer._layer_census = True
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+register(Patch(
+    name="layer-census",
+    upstream=UPSTREAM,
+    versions=">=0.15,<0.20",
+    summary="counts dense/MoE/MTP layers built on every pipeline rank after "
+            "megatron.training.training.setup_model_and_optimizer and refuses a mismatch",
+    not_needed_because=_census_not_needed,
+    apply=_apply_census,
+))
+
+
+def _aux_loss_not_needed(context: PatchContext) -> str | None:
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    # Two layers, only the first MoE, one MTP layer copying the dense last layer: one MoE
+    # layer is built, so a divisor of 1 is right.
+    if MoEMetricsTracker._count_moe_layers(2, [1, 0], 1) == 1:
+        return "megatron-core already divides the aux loss by the MoE layers built"
+    return None
+
+
+def _apply_aux_loss_divisor() -> None:
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    megatron_count = MoEMetricsTracker._count_moe_layers
+    if getattr(megatron_count, "_layer_census", False):
+        return
+
+    def _count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers):
+        census = built_census()
+        if census is None or census.moe_layers_with_mtp == 0:
+            return megatron_count(num_layers, moe_layer_freq, mtp_num_layers)
+        return census.moe_layers_with_mtp
+
+    _count_moe_layers._layer_census = True
+    MoEMetricsTracker._count_moe_layers = staticmethod(_count_moe_layers)
+
+
+register(Patch(
+    name="moe-aux-loss-per-built-layer",
+    upstream=UPSTREAM,
+    versions=">=0.15,<0.20",
+    summary="averages logged MoE aux losses over the MoE layers built (MTP included) in "
+            "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._count_moe_layers",
+    not_needed_because=_aux_loss_not_needed,
+    apply=_apply_aux_loss_divisor,
+))

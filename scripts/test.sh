@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up both environments and runs the whole CPU test suite:
+#   default (megatron-core 0.19.2, .venv) and legacy (megatron-core 0.15.x, .venv-legacy).
+# Extra arguments go to the default suite's pytest (e.g. -k resume, -x).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/setup.sh
+status=0
+.venv/bin/python -m pytest -q -m "not legacy" "$@" tests || status=$?
+
+if [ -f requirements-legacy.lock ]; then
+  MCORE=legacy bash scripts/setup.sh
+  .venv-legacy/bin/python -m pytest -q -m legacy tests || status=$?
+fi
+exit $status

@@ -1,0 +1,116 @@
+"""Test helpers: real megatron-core GPT models on CPU (world size 1, gloo) and measured FLOPs.
+
+Import this before anything imports megatron: the CPU backend must be active first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from megatron_patches import cpu_backend
+
+if not torch.cuda.is_available() and not cpu_backend.active():
+    cpu_backend.activate()
+
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+VOCAB = 128
+
+
+def init_world() -> None:
+    """One-process gloo world with every model-parallel size 1 (idempotent)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1234)
+
+
+def tiny_config(**overrides):
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
+
+    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                  use_cpu_initialization=True, add_bias_linear=False,
+                  attention_dropout=0.0, hidden_dropout=0.0)
+    if overrides.get("num_moe_experts"):
+        kwargs.update(moe_token_dispatcher_type="alltoall", moe_ffn_hidden_size=32,
+                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01)
+    kwargs.update(overrides)
+    if kwargs.get("multi_latent_attention"):
+        return MLATransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs)
+
+
+class MatmulCoreAttention(torch.nn.Module):
+    """softmax(Q·K^T)·V with plain matmuls, for MLA on CPU.
+
+    megatron-core 0.19.2's local DotProductAttention takes no k_channels/v_channels, so MLA only
+    builds with TransformerEngine. Its projections are megatron's own either way; this stands in
+    for the core attention kernel alone and does the same two matmuls.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
+                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        s, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.softmax_scale or q.shape[-1] ** -0.5)
+        probs = scores.masked_fill(attention_mask, float("-inf")).softmax(-1)
+        return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def build_gpt(config, seq_length: int):
+    """A GPTModel from megatron's local (non-TransformerEngine) specs, as pretrain builds it."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    init_world()
+    destroy_moe_metrics_tracker()  # its per-layer buffers are sized by the previous model
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if config.multi_latent_attention:
+        for layer_spec in spec.layer_specs:
+            layer_spec.submodules.self_attention.submodules.core_attention = MatmulCoreAttention
+    mtp_spec = None
+    if config.mtp_num_layers:
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                    max_sequence_length=seq_length, mtp_block_spec=mtp_spec)
+
+
+def train_step_loss(model, batch: int, seq_length: int) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (batch, seq_length))
+    positions = torch.arange(seq_length).expand(batch, -1)
+    causal = torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool), 1)[None, None]
+    loss = model(ids, positions, causal, labels=ids,
+                 loss_mask=torch.ones(batch, seq_length))
+    return loss.sum()
+
+
+def measured_flops(model, batch: int, seq_length: int) -> int:
+    """FLOPs torch counts for one forward + backward of `model` (full S×S attention)."""
+    with FlopCounterMode(display=False) as counter:
+        train_step_loss(model, batch, seq_length).backward()
+    return counter.get_total_flops()
