@@ -17,10 +17,15 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron_patches import checkpoint_audit, checkpoint_guard, registry
 
 from _checkpoints import guard_results, run_scenario
+from _damage_metadata import damage_like_1836
+from _launch import REPO, TINY_MODEL
+from _launch import launch as launch_2_ranks
 from _ckpt_worker import model_args
 
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+# Expert tensor parallelism 2 on two ranks (EP=1, DP=2), the layout #1836 broke.
+ETP2 = ["--expert-tensor-parallel-size", "2", "--ckpt-format", "torch_dist"]
 
 
 @pytest.mark.slow
@@ -123,12 +128,13 @@ def test_layout_findings_on_real_sharded_tensors():
 def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tmp_path):
     """pretrain_moe.py (with the guards listed) trains ETP=2, saves, and stops on both ranks
     when asked to resume from the same checkpoint rewritten into the #1836 layout."""
-    from _damage_metadata import damage_like_1836
-    from _launch_guarded import TINY_ETP2, launch
+    def launch(args):
+        return launch_2_ranks(2, [*TINY_MODEL, *ETP2, *args], timeout=300,
+                              script=REPO / "tests" / "_pretrain_with_guards.py")
 
     good, damaged = tmp_path / "good", tmp_path / "damaged"
     # All runs plan 4 iterations (the LR schedule must match to resume); the first stops at 2.
-    first = launch([*TINY_ETP2, "--train-iters", "4", "--exit-interval", "2", "--save-interval", "2",
+    first = launch(["--train-iters", "4", "--exit-interval", "2", "--save-interval", "2",
                     "--save", str(good)])
     assert first.returncode == 0, first.log[-4000:]
     assert "[megatron_patches] checkpoint-completeness-guard: applied" in first.log
@@ -136,13 +142,13 @@ def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tm
 
     shutil.copytree(good, damaged)
     assert len(damage_like_1836(str(damaged), etp=2)) == 8  # fc1, fc2 and their 3 optimizer states
-    refused = launch([*TINY_ETP2, "--train-iters", "4", "--load", str(damaged)])
+    refused = launch(["--train-iters", "4", "--load", str(damaged)])
     assert refused.returncode != 0
     for rank in range(2):
         assert f"[rank{rank}]: megatron_patches.checkpoint_guard.IncompleteCheckpointError: " \
                "[megatron_patches] refusing to load" in refused.log, refused.log[-4000:]
     assert "iteration        3/" not in refused.log
 
-    resumed = launch([*TINY_ETP2, "--train-iters", "4", "--load", str(good)])
+    resumed = launch(["--train-iters", "4", "--load", str(good)])
     assert resumed.returncode == 0, resumed.log[-4000:]
     assert "iteration        3/" in resumed.log and "iteration        4/" in resumed.log
