@@ -72,7 +72,8 @@ class ModelDims:
             moe_ffn=config.moe_ffn_hidden_size,
             ffn=config.ffn_hidden_size,
             glu=bool(config.gated_linear_unit),
-            heads=config.num_attention_heads,
+            heads=None if getattr(config, "multi_latent_attention", False)
+            else config.num_attention_heads,
             query_groups=config.num_query_groups or config.num_attention_heads,
             kv_channels=config.kv_channels,
             expert_tensor_parallel=config.expert_tensor_parallel_size or 1,
@@ -84,7 +85,9 @@ class ModelDims:
         megatron.training turns it into for its common-state consistency check)."""
         if isinstance(args, Mapping):
             args = types.SimpleNamespace(**args)
-        heads = getattr(args, "num_attention_heads", None)
+        # Multi-latent attention projects through other widths: attention shapes unchecked.
+        heads = None if getattr(args, "multi_latent_attention", False) else getattr(
+            args, "num_attention_heads", None)
         groups = getattr(args, "num_query_groups", None) if getattr(
             args, "group_query_attention", False) else None
         kv = getattr(args, "kv_channels", None) or (heads and args.hidden_size // heads)
@@ -112,7 +115,9 @@ _ATTENTION = re.compile(r"self_attention\.linear_(?P<which>qkv|proj)\.weight$")
 _ROUTER = re.compile(r"mlp\.router\.weight$")
 _DENSE_MLP = re.compile(r"(?<!experts\.)(?<!shared_experts\.)mlp\.linear_fc(?P<fc>[12])\.weight$")
 _VOCAB = re.compile(r"(embedding\.word_embeddings|output_layer)\.weight$")
-_NORM = re.compile(r"(layer_?norm|_norm)(_weight|_bias|\.weight|\.bias)$")
+# Norms over the hidden size only (q/k/kv norms of other widths are left unchecked).
+_NORM = re.compile(r"((input|pre_mlp|pre_cross_attn|final)_layernorm\.(weight|bias)"
+                   r"|linear_(qkv|fc1)\.layer_norm_(weight|bias))$")
 
 
 def is_expert_key(key: str) -> bool:
@@ -135,8 +140,8 @@ def expected_shape(key: str, shape: Sequence[int], dims: ModelDims) -> tuple[int
         else:
             core = (rows, dims.hidden) if fc1 else (dims.hidden, dims.moe_ffn)
         # SequentialMLP/TEGroupedMLP under torch_dist stack experts on an axis before the matrix.
-        if m["form"] == "experts." or (m["form"] == "" and not m["idx"] and len(shape) > len(core)
-                                         and _stacked_layers(key) + 1 + len(core) == len(shape)):
+        if m["form"] == "experts." or (not m["form"] and not m["idx"]
+                                         and len(shape) == _stacked_layers(key) + 1 + len(core)):
             core = (dims.num_experts,) + core
         return _with_leading(shape, core)
     if (m := _ATTENTION.search(key)) and dims.heads and dims.kv_channels:
@@ -153,7 +158,7 @@ def expected_shape(key: str, shape: Sequence[int], dims: ModelDims) -> tuple[int
         return _with_leading(shape, core)
     if _VOCAB.search(key) and dims.padded_vocab:
         return _with_leading(shape, (dims.padded_vocab, dims.hidden))
-    if _NORM.search(key) and "q_layernorm" not in key and "k_layernorm" not in key:
+    if _NORM.search(key):
         return _with_leading(shape, (dims.hidden,))
     return None
 

@@ -13,7 +13,10 @@ DTensors, whose placements always cover their shape) get the config-shape check.
 Load guard ("checkpoint-load-guard"): before `dist_checkpointing.load` reads anything it compares
 the checkpoint's `.metadata` with the sharded state dict of the model being loaded into (and with
 the config), then agrees across ranks so every rank stops with the same message instead of some
-loading wrong expert weights or waiting forever.
+loading wrong expert weights or waiting forever. megatron-core 0.19.2 itself rejects a plain
+global-shape mismatch, but it loads without a word a checkpoint whose chunks leave part of a
+tensor uncovered (those regions keep their initial values), and a model built by an affected
+version agrees with its own damaged checkpoint; the guard catches both.
 
 The model config comes from `expect_model(config)` if the launcher called it, else from the
 `args` megatron puts in every checkpoint's common state, else from megatron's global args.

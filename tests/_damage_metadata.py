@@ -23,8 +23,13 @@ from torch.distributed.checkpoint.metadata import (
 from megatron_patches.checkpoint_audit import is_expert_key, resolve_iteration_dir
 
 
-def damage_like_1836(ckpt_dir: str, etp: int) -> list[str]:
-    """Rewrites the metadata in place; returns the keys it shrank."""
+def damage_like_1836(ckpt_dir: str, etp: int, shrink: bool = True) -> list[str]:
+    """Rewrites the metadata in place; returns the keys it damaged.
+
+    shrink=False keeps the true global shape and only drops the other ETP ranks' chunks: a
+    checkpoint that megatron-core 0.19.2 itself loads without complaint, leaving the missing
+    regions of the expert weights at their initial values.
+    """
     path = resolve_iteration_dir(ckpt_dir)
     metadata = FileSystemReader(path).read_metadata()
     shrunk = []
@@ -37,7 +42,7 @@ def damage_like_1836(ckpt_dir: str, etp: int) -> list[str]:
             continue
         axis = split[0]
         size = list(meta.size)
-        size[axis] //= etp
+        size[axis] //= etp if shrink else 1
         kept = []
         for chunk in meta.chunks:
             step = chunk.sizes[axis]
@@ -47,7 +52,7 @@ def damage_like_1836(ckpt_dir: str, etp: int) -> list[str]:
             if etp_rank:
                 continue  # this ETP replica was never written under #1836
             offsets = list(chunk.offsets)
-            offsets[axis] //= etp
+            offsets[axis] //= etp if shrink else 1
             kept.append(ChunkStorageMetadata(torch.Size(offsets), chunk.sizes))
             metadata.storage_data[MetadataIndex(key, torch.Size(offsets))] = storage
         metadata.state_dict_metadata[key] = dataclasses.replace(

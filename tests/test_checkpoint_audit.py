@@ -11,6 +11,7 @@ object under `args`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -146,3 +147,18 @@ def test_expected_shapes_follow_the_config_not_the_parallelism():
         == (None, 96, 32)
     assert shape("embedding.word_embeddings.weight", (128, 32), dims) == (128, 32)
     assert shape("embedding.position_embeddings.weight", (16, 32), dims) is None
+
+
+def test_dims_from_transformer_config_match_dims_from_saved_args():
+    from megatron.core.transformer import TransformerConfig
+
+    a = model_args(tp=1, ep=1, etp=2)
+    config = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        kv_channels=a.kv_channels, ffn_hidden_size=a.ffn_hidden_size, num_moe_experts=a.num_experts,
+        moe_router_topk=a.moe_router_topk, moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+        gated_linear_unit=a.swiglu, add_bias_linear=False, expert_tensor_parallel_size=2,
+        use_cpu_initialization=True)
+    from_args = checkpoint_audit.ModelDims.from_args(a)
+    assert checkpoint_audit.ModelDims.from_config(config) == dataclasses.replace(
+        from_args, padded_vocab=None)

@@ -132,7 +132,7 @@ def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tm
         return launch_2_ranks(2, [*TINY_MODEL, *ETP2, *args], timeout=300,
                               script=REPO / "tests" / "_pretrain_with_guards.py")
 
-    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    good, damaged, holes = tmp_path / "good", tmp_path / "damaged", tmp_path / "holes"
     # All runs plan 4 iterations (the LR schedule must match to resume); the first stops at 2.
     first = launch(["--train-iters", "4", "--exit-interval", "2", "--save-interval", "2",
                     "--save", str(good)])
@@ -142,12 +142,20 @@ def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tm
 
     shutil.copytree(good, damaged)
     assert len(damage_like_1836(str(damaged), etp=2)) == 8  # fc1, fc2 and their 3 optimizer states
-    refused = launch(["--train-iters", "4", "--load", str(damaged)])
-    assert refused.returncode != 0
-    for rank in range(2):
-        assert f"[rank{rank}]: megatron_patches.checkpoint_guard.IncompleteCheckpointError: " \
-               "[megatron_patches] refusing to load" in refused.log, refused.log[-4000:]
-    assert "iteration        3/" not in refused.log
+    # Same chunks dropped, true global shape kept: megatron-core 0.19.2 alone loads this one
+    # without a word, leaving half of every expert matrix at its initial values.
+    shutil.copytree(good, holes)
+    damage_like_1836(str(holes), etp=2, shrink=False)
+    for bad, problem in ((damaged, "checkpoint global shape [2, 8, 64, 64], model expects "
+                                   "[2, 8, 128, 64]"),
+                         (holes, "50.0% of the global tensor has no chunk")):
+        refused = launch(["--train-iters", "4", "--load", str(bad)])
+        assert refused.returncode != 0
+        for rank in range(2):
+            assert f"[rank{rank}]: megatron_patches.checkpoint_guard.IncompleteCheckpointError: " \
+                   "[megatron_patches] refusing to load" in refused.log, refused.log[-4000:]
+        assert f"{FC1}: {problem}" in refused.log
+        assert "iteration        3/" not in refused.log
 
     resumed = launch(["--train-iters", "4", "--load", str(good)])
     assert resumed.returncode == 0, resumed.log[-4000:]
