@@ -371,6 +371,7 @@ class TensorFinding:
     overlapping: bool
     out_of_bounds: bool
     saved_bytes: int
+    layout: str  # the saved chunks, e.g. "32 chunks of [1, 1, 24, 32]"
     expected_bytes: int | None
 
     @property
@@ -447,7 +448,16 @@ def judge_tensor(key: str, global_shape: Sequence[int], itemsize: int,
         out_of_bounds=cov.out_of_bounds,
         saved_bytes=saved,
         expected_bytes=None if expected is None else expected_numel(global_shape, expected) * itemsize,
+        layout=_describe_chunks(boxes),
     )
+
+
+def _describe_chunks(boxes: list) -> str:
+    sizes: dict[tuple, int] = {}
+    for _, size in boxes:
+        sizes[tuple(size)] = sizes.get(tuple(size), 0) + 1
+    return ", ".join(f"{n} chunk{'s' if n > 1 else ''} of {list(size)}"
+                     for size, n in sizes.items()) or "no chunks"
 
 
 def verdict_for(findings: list[TensorFinding], dims: ModelDims | None) -> str:

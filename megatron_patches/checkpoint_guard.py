@@ -132,7 +132,8 @@ def describe_refusal(findings: list[TensorFinding], what: str) -> str:
         missing = t.missing_fraction
         if t.shape_ok is False and t.expected_bytes:
             missing = max(missing, 1 - t.saved_bytes / t.expected_bytes)
-        lines.append(f"  {t.key}: {t.problem()}; missing fraction {missing:.1%}")
+        lines.append(f"  {t.key}: {t.problem()}; main replicas: {t.layout}; "
+                     f"missing fraction {missing:.1%}")
     if len(bad) > 8:
         lines.append(f"  ... and {len(bad) - 8} more")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -162,3 +163,18 @@ def test_dims_from_transformer_config_match_dims_from_saved_args():
     from_args = checkpoint_audit.ModelDims.from_args(a)
     assert checkpoint_audit.ModelDims.from_config(config) == dataclasses.replace(
         from_args, padded_vocab=None)
+
+
+@pytest.mark.slow
+def test_args_in_legacy_common_pt_take_precedence(tmp_path):
+    """megatron-core <=0.16 keeps the args in common.pt; the audit judges against those."""
+    iteration = tmp_path / "iter_0000001"
+    shutil.copytree(os.path.join(checkpoints(), "etp2", "iter_0000001"), iteration)
+    args = model_args(tp=2, ep=1, etp=2)
+    args.moe_ffn_hidden_size *= 2  # a config the saved experts do not fit
+    torch.save({"args": args}, iteration / "common.pt")
+    report = checkpoint_audit.audit(str(iteration))
+    assert report.exit_status == checkpoint_audit.EXIT_DAMAGED
+    assert {t.key for t in report.damaged} == {
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight"}

@@ -36,7 +36,8 @@ def test_save_guard_refuses_damaged_layout_on_every_rank_and_touches_nothing():
         refusal = result["damaged_save"]
         assert refusal and refusal.startswith("IncompleteCheckpointError"), (rank, refusal)
         assert f"{FC1}: global shape [2, 8, 48, 32] but the config implies ['*', 8, 96, 32]" in refusal
-        assert "missing fraction 50.0%" in refusal and FC2 in refusal
+        assert "main replicas: 32 chunks of [1, 1, 24, 32]; missing fraction 50.0%" in refusal
+        assert FC2 in refusal
     # The previous checkpoint and the tracker are byte-for-byte where they were.
     assert results[0]["files_after_damaged_save"] == results[0]["files_before_damaged_save"]
     with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
@@ -76,7 +77,8 @@ def test_save_guard_refuses_fsdp_dtensor_experts_at_one_etp_shard(tmp_path):
         assert result["good"] is None, (rank, result["good"])
         assert result["damaged"].startswith("IncompleteCheckpointError"), (rank, result["damaged"])
         assert ("model.decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight: global shape "
-                "[32, 24] but the config implies [32, 48]; missing fraction 50.0%") in result["damaged"]
+                "[32, 24] but the config implies [32, 48]; main replicas: 1 chunk of [32, 24]; "
+                "missing fraction 50.0%") in result["damaged"]
     assert not (tmp_path / "fsdp_damaged" / ".metadata").exists()
     report = checkpoint_audit.audit(str(tmp_path / "fsdp_good"))
     assert report.format == "fsdp_dtensor" and report.exit_status == checkpoint_audit.EXIT_COMPLETE
