@@ -26,4 +26,4 @@ python=$(find_python312)
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$lock" -r requirements-test.lock
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
-echo "setup.sh: $venv ready ($("$venv/bin/python" -c 'import megatron.core as m; print("megatron-core", m.__version__)'))"
+echo "setup.sh: $venv ready (megatron-core $("$venv/bin/python" -c "from importlib.metadata import version; print(version('megatron-core'))"))"
