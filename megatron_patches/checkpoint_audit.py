@@ -61,6 +61,7 @@ class ModelDims:
     query_groups: int | None
     kv_channels: int | None
     padded_vocab: int | None = None  # only training args know the padded vocabulary
+    expert_hidden: int | None = None  # experts' input width when it is not hidden (latent MoE)
     expert_tensor_parallel: int = 1
 
     @classmethod
@@ -77,6 +78,7 @@ class ModelDims:
             query_groups=config.num_query_groups or config.num_attention_heads,
             kv_channels=config.kv_channels,
             expert_tensor_parallel=config.expert_tensor_parallel_size or 1,
+            expert_hidden=getattr(config, "moe_latent_size", None),
         )
 
     @classmethod
@@ -103,6 +105,7 @@ class ModelDims:
             kv_channels=kv,
             padded_vocab=getattr(args, "padded_vocab_size", None),
             expert_tensor_parallel=getattr(args, "expert_tensor_parallel_size", None) or 1,
+            expert_hidden=getattr(args, "moe_latent_size", None),
         )
 
 
@@ -113,7 +116,7 @@ _EXPERT = re.compile(
 )
 _ATTENTION = re.compile(r"self_attention\.linear_(?P<which>qkv|proj)\.weight$")
 _ROUTER = re.compile(r"mlp\.router\.weight$")
-_DENSE_MLP = re.compile(r"(?<!experts\.)(?<!shared_experts\.)mlp\.linear_fc(?P<fc>[12])\.weight$")
+_DENSE_MLP = re.compile(r"mlp\.linear_fc(?P<fc>[12])\.weight$")  # not (shared_)experts.linear_fc
 _VOCAB = re.compile(r"(embedding\.word_embeddings|output_layer)\.weight$")
 # Norms over the hidden size only (q/k/kv norms of other widths are left unchecked).
 _NORM = re.compile(r"((input|pre_mlp|pre_cross_attn|final)_layernorm\.(weight|bias)"
@@ -135,10 +138,11 @@ def expected_shape(key: str, shape: Sequence[int], dims: ModelDims) -> tuple[int
             return None
         fc1 = m["fc"] == "1"
         rows = dims.moe_ffn * (2 if fc1 and dims.glu and not m["half"] else 1)
+        width = dims.expert_hidden or dims.hidden
         if m["kind"] == "bias":
-            core: tuple[int, ...] = (rows,) if fc1 else (dims.hidden,)
+            core: tuple[int, ...] = (rows,) if fc1 else (width,)
         else:
-            core = (rows, dims.hidden) if fc1 else (dims.hidden, dims.moe_ffn)
+            core = (rows, width) if fc1 else (width, dims.moe_ffn)
         # SequentialMLP/TEGroupedMLP under torch_dist stack experts on an axis before the matrix.
         if m["form"] == "experts." or (not m["form"] and not m["idx"]
                                          and len(shape) == _stacked_layers(key) + 1 + len(core)):

@@ -150,6 +150,10 @@ def test_expected_shapes_follow_the_config_not_the_parallelism():
         == (None, 96, 32)
     assert shape("embedding.word_embeddings.weight", (128, 32), dims) == (128, 32)
     assert shape("embedding.position_embeddings.weight", (16, 32), dims) is None
+    assert shape("decoder.layers.mlp.shared_experts.linear_fc1.weight", (2, 64, 32), dims) is None
+    latent = dataclasses.replace(dims, expert_hidden=16)  # --moe-latent-size 16
+    assert shape("decoder.layers.mlp.experts.experts.linear_fc2.weight", (2, 8, 16, 48), latent) \
+        == (None, 8, 16, 48)
 
 
 def test_dims_from_transformer_config_match_dims_from_saved_args():
