@@ -376,6 +376,7 @@ class TensorFinding:
     out_of_bounds: bool
     saved_bytes: int
     layout: str  # the saved chunks, e.g. "32 chunks of [1, 1, 24, 32]"
+    chunk_count: int
     expected_bytes: int | None
 
     @property
@@ -424,6 +425,7 @@ class AuditReport:
             "have_config": self.have_config,
             "saved_bytes": sum(t.saved_bytes for t in self.tensors),
             "payload_bytes_on_disk": self.payload_bytes,
+            "chunks": sum(t.chunk_count for t in self.tensors),
             "checked_saved_bytes": sum(t.saved_bytes for t in checked),
             "checked_expected_bytes": sum(t.expected_bytes for t in checked),
             "expert_saved_bytes": sum(t.saved_bytes for t in checked if t.expert),
@@ -453,6 +455,7 @@ def judge_tensor(key: str, global_shape: Sequence[int], itemsize: int,
         saved_bytes=saved,
         expected_bytes=None if expected is None else expected_numel(global_shape, expected) * itemsize,
         layout=_describe_chunks(boxes),
+        chunk_count=len(boxes),
     )
 
 

@@ -231,7 +231,7 @@ def _snapshot(root: str) -> dict[str, list[int]]:
     return files
 
 
-def scenario_bench(out: str, repeats: int = 7) -> dict:
+def scenario_bench(out: str, repeats: int = 15) -> dict:
     """Saves etp1/ and etp2/ once, then the ETP=2 model repeatedly without and with the guard."""
     from megatron_patches import checkpoint_guard
 
