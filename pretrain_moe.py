@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-from megatron_patches.versions import UnsupportedMegatronVersion, check_megatron_version
+from megatron_patches.versions import (
+    UnsupportedMegatronVersion, check_megatron_version, check_training_package)
 
 
 def log0(line: str) -> None:
@@ -21,6 +22,7 @@ def log0(line: str) -> None:
 
 def main(argv: list[str]) -> None:
     track = check_megatron_version()
+    check_training_package()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         from megatron_patches import cpu_backend

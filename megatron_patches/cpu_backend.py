@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import sys
 import time
@@ -230,15 +231,45 @@ def activate() -> None:
         setattr(torch.cuda.nvtx, name, stand_in)
     dist.all_gather = _all_gather_uneven(dist.all_gather)
     dist.reduce_scatter = _reduce_scatter_uneven(dist.reduce_scatter)
+    _refuse_cuda_extensions()
+    _meshes_on_cpu()
     _patch_megatron()
     _MODE = _CudaToCpu()
     _MODE.__enter__()
 
 
+def _refuse_cuda_extensions() -> None:
+    """megatron-core 0.15.x compiles a CUDA extension on import and catches only RuntimeError;
+    without CUDA torch's builder fails with an IndexError, so refuse CUDA builds cleanly."""
+    from torch.utils import cpp_extension
+
+    load_inline = cpp_extension.load_inline
+
+    @functools.wraps(load_inline)
+    def load_inline_without_cuda(*args, **kwargs):
+        if kwargs.get("with_cuda") or kwargs.get("cuda_sources"):
+            raise RuntimeError("CPU backend: CUDA extensions are not built")
+        return load_inline(*args, **kwargs)
+
+    cpp_extension.load_inline = load_inline_without_cuda
+
+
+def _meshes_on_cpu() -> None:
+    """Megatron-FSDP builds its DeviceMesh on "cuda"; DTensor would then look for a GPU."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from_group = DeviceMesh.from_group
+
+    @functools.wraps(from_group)
+    def from_group_on_cpu(group, device_type, *args, **kwargs):
+        return from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    DeviceMesh.from_group = staticmethod(from_group_on_cpu)
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import token_dispatcher
-    from megatron.training import training
 
     # The model-parallel RNG tracker swaps "CUDA" generator states; the CPU generator is ours.
     tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
@@ -248,6 +279,10 @@ def _patch_megatron() -> None:
         torch.set_rng_state(state)
     )
     token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu
+    if importlib.util.find_spec("megatron.training") is None:
+        return  # megatron-core 0.15.x wheels ship no megatron.training (no pretrain())
+    from megatron.training import training
+
     # pretrain() asserts CUDA unless initialize_megatron is told that no CUDA is fine.
     training.initialize_megatron = functools.partial(training.initialize_megatron,
                                                      allow_no_cuda=True)

@@ -27,3 +27,15 @@ def check_megatron_version(version: str | None = None) -> str:
         f"(default) and 0.15.x (legacy). Fix: run `bash scripts/setup.sh` (0.19.2) or "
         f"`MCORE=legacy bash scripts/setup.sh` (0.15.x)."
     )
+
+
+def check_training_package() -> None:
+    """pretrain() comes from megatron.training, which the 0.19.2 wheel ships and 0.15.x's lacks."""
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.training") is None:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {installed_version('megatron-core')} is installed without "
+            f"megatron.training, whose pretrain() pretrain_moe.py runs; the legacy track carries "
+            f"the checkpoint fixes for megatron-core's own code. Fix: train with the default "
+            f"track (`bash scripts/setup.sh`, megatron-core 0.19.2).")

@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_patches import cpu_backend_legacy  # noqa: E402
+from megatron_patches import cpu_backend  # noqa: E402
 
-cpu_backend_legacy.activate()
+cpu_backend.activate()
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
