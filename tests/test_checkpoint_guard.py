@@ -18,7 +18,7 @@ from megatron_patches import checkpoint_audit, checkpoint_guard, registry
 
 from _checkpoints import guard_results, run_scenario
 from _damage_metadata import damage_like_1836
-from _launch import REPO, TINY_MODEL
+from _launch import TINY_MODEL
 from _launch import launch as launch_2_ranks
 from _ckpt_worker import model_args
 
@@ -128,11 +128,10 @@ def test_layout_findings_on_real_sharded_tensors():
 
 @pytest.mark.slow
 def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tmp_path):
-    """pretrain_moe.py (with the guards listed) trains ETP=2, saves, and stops on both ranks
-    when asked to resume from the same checkpoint rewritten into the #1836 layout."""
+    """pretrain_moe.py trains ETP=2, saves, and stops on both ranks when asked to resume from
+    the same checkpoint rewritten into the #1836 layout."""
     def launch(args):
-        return launch_2_ranks(2, [*TINY_MODEL, *ETP2, *args], timeout=300,
-                              script=REPO / "tests" / "_pretrain_with_guards.py")
+        return launch_2_ranks(2, [*TINY_MODEL, *ETP2, *args], timeout=300)
 
     good, damaged, holes = tmp_path / "good", tmp_path / "damaged", tmp_path / "holes"
     # All runs plan 4 iterations (the LR schedule must match to resume); the first stops at 2.
