@@ -106,6 +106,7 @@ PATCH_MODULES = (
     "megatron_patches.flops",
     "megatron_patches.mfu",
     "megatron_patches.fsdp_expert_etp_mesh",
+    "megatron_patches.checkpoint_guard",
     "megatron_patches.checkpoint_commit",
 )
 

@@ -57,14 +57,16 @@ def tracker_dir(save: Path) -> Path:
 
 
 def audit_exit_status(iteration_dir: Path) -> int | None:
-    """The #1836 audit's verdict (0 complete) where megatron_patches.checkpoint_audit exists."""
+    """The #1836 audit's verdict (0 complete, 1 damaged, 2 unreadable), in process (the same
+    as `python -m megatron_patches.checkpoint_audit DIR`); None where it is not installed."""
     try:
-        import megatron_patches.checkpoint_audit  # noqa: F401
+        from megatron_patches.checkpoint_audit import UnreadableCheckpoint, audit
     except ImportError:
         return None
-    return subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
-                           str(iteration_dir)], cwd=REPO, capture_output=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}).returncode
+    try:
+        return audit(str(iteration_dir)).exit_status
+    except UnreadableCheckpoint:
+        return 2
 
 
 class LiveRun:

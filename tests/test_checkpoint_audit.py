@@ -1,0 +1,186 @@
+"""The checkpoint audit on real checkpoints written by megatron-core (Megatron-LM #1836).
+
+torch_dist checkpoints come from tests/_ckpt_worker.py (2 gloo ranks, tiny MoE GPT; its module
+doc says how the damaged one reproduces #1836). fsdp_dtensor checkpoints need Megatron-FSDP,
+which does not run on CPU; here they are written with torch.distributed.checkpoint in the same
+on-disk layout megatron.training's fsdp_dtensor save produces (`model.`-prefixed per-layer keys,
+`local_experts.N` / grouped `weightN` expert names, SwiGLU fc1 split into `_w`/`_v`, the args
+object under `args`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from megatron_patches import checkpoint_audit
+from megatron_patches.checkpoint_audit import coverage
+
+from _checkpoints import ROOT, checkpoints
+from _ckpt_worker import model_args
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["etp1", "etp2"])  # etp1 is EP=2, etp2 is TP=2 ETP=2
+def test_good_checkpoints_are_complete(layout, capsys):
+    status = checkpoint_audit.main([os.path.join(checkpoints(), layout)])
+    out = capsys.readouterr().out
+    assert status == checkpoint_audit.EXIT_COMPLETE, out
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight [2, 8, 96, 32] shape ok" in out
+    assert "complete: every tensor tiles its global shape once" in out
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_is_flagged_with_json_output():
+    proc = run_cli(os.path.join(checkpoints(), "damaged"), "--json")
+    assert proc.returncode == checkpoint_audit.EXIT_DAMAGED, proc.stderr
+    report = json.loads(proc.stdout)
+    assert "#1836" in report["verdict"]
+    assert report["expert_saved_bytes"] * 2 == report["expert_expected_bytes"]
+    bad = {t["key"]: t for t in report["tensors"] if not t["ok"]}
+    assert set(bad) == {"decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                        "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
+    assert bad["decoder.layers.mlp.experts.experts.linear_fc1.weight"]["global_shape"] == [2, 8, 48, 32]
+
+
+@pytest.mark.slow
+def test_etp2_checkpoint_holds_as_many_model_bytes_as_etp1():
+    etp1 = checkpoint_audit.audit(os.path.join(checkpoints(), "etp1")).to_json()
+    etp2 = checkpoint_audit.audit(os.path.join(checkpoints(), "etp2")).to_json()
+    assert etp2["saved_bytes"] == etp1["saved_bytes"]
+    assert etp2["expert_saved_bytes"] == etp2["expert_expected_bytes"] == etp1["expert_saved_bytes"]
+    # Per-chunk serialization overhead differs, the payload does not shrink by 1/ETP.
+    assert etp2["payload_bytes_on_disk"] >= etp2["saved_bytes"]
+
+
+@pytest.mark.slow
+def test_save_root_and_iteration_dir_give_the_same_report():
+    root = os.path.join(checkpoints(), "etp2")
+    assert (checkpoint_audit.audit(root).to_json()
+            == checkpoint_audit.audit(os.path.join(root, "iter_0000001")).to_json())
+
+
+def test_unreadable_directories_exit_2(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / ".metadata").write_bytes(b"\x80\x04 not a pickle")
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / checkpoint_audit.TRACKER_FILE).write_text("7")
+    for path in (empty, garbled, dangling, tmp_path / "missing"):
+        assert checkpoint_audit.main([str(path)]) == checkpoint_audit.EXIT_UNREADABLE, path
+    proc = run_cli(str(garbled), "--json")
+    assert proc.returncode == checkpoint_audit.EXIT_UNREADABLE
+    assert json.loads(proc.stdout)["verdict"].startswith("UNREADABLE")
+
+
+def write_fsdp_dtensor_checkpoint(path, etp_damage: int = 1, grouped: bool = False) -> None:
+    """A one-process DCP checkpoint in fsdp_dtensor's layout; etp_damage=2 mimics #1836 under
+    Megatron-FSDP (expert tensors Replicate on a mesh without the ETP dim: 1/ETP of the rows)."""
+    a = model_args(tp=1, ep=1, etp=etp_damage)
+    h, f = a.hidden_size, a.moe_ffn_hidden_size // etp_damage
+    model = {}
+    for layer in range(a.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        model[prefix + "self_attention.linear_qkv.weight"] = torch.zeros(3 * h, h)
+        model[prefix + "self_attention.linear_proj.weight"] = torch.zeros(h, h)
+        model[prefix + "mlp.router.weight"] = torch.zeros(a.num_experts, h)
+        for e in range(a.num_experts):
+            name = (prefix + "mlp.experts.linear_fc{}.weight" + str(e) if grouped
+                    else prefix + f"mlp.experts.local_experts.{e}.linear_fc{{}}.weight")
+            model[name.format(1) + "_w"] = torch.zeros(f, h)
+            model[name.format(1) + "_v"] = torch.zeros(f, h)
+            model[name.format(2)] = torch.zeros(h, f)
+    # Written as an unguarded process would: the save guard may be applied in this process.
+    unguarded_save = getattr(dcp.save, "__wrapped__", dcp.save)
+    unguarded_save({"model": model, "args": a}, storage_writer=dcp.FileSystemWriter(str(path)),
+                   no_dist=True)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fsdp_dtensor_layout(tmp_path, grouped):
+    write_fsdp_dtensor_checkpoint(tmp_path / "good", grouped=grouped)
+    write_fsdp_dtensor_checkpoint(tmp_path / "damaged", etp_damage=2, grouped=grouped)
+    good = checkpoint_audit.audit(str(tmp_path / "good"))
+    assert good.format == "fsdp_dtensor" and good.have_config
+    assert good.exit_status == checkpoint_audit.EXIT_COMPLETE, good.verdict
+    assert sum(t.shape_ok is True and t.expert for t in good.tensors) == 2 * 8 * 3
+    damaged = checkpoint_audit.audit(str(tmp_path / "damaged"))
+    assert damaged.exit_status == checkpoint_audit.EXIT_DAMAGED
+    assert len(damaged.damaged) == 2 * 8 * 3 and all(t.expert for t in damaged.damaged)
+    assert "#1836" in damaged.verdict
+
+
+def test_coverage_finds_gaps_overlaps_and_strays():
+    halves = [((0, 0), (2, 4)), ((2, 0), (2, 4))]
+    assert coverage((4, 4), halves).exact
+    assert coverage((4, 4), halves[:1]).missing_fraction == 0.5
+    assert coverage((4, 4), halves + [((1, 1), (1, 1))]).overlapping
+    assert coverage((4, 4), [((0, 0), (4, 4)), ((3, 0), (2, 4))]).out_of_bounds
+    # A ragged but exact tiling: megatron defers uneven grids to DCP, the audit does not.
+    assert coverage((5, 3), [((0, 0), (3, 3)), ((3, 0), (2, 1)), ((3, 1), (2, 2))]).exact
+
+
+def test_expected_shapes_follow_the_config_not_the_parallelism():
+    dims = checkpoint_audit.ModelDims.from_args(argparse.Namespace(**vars(model_args(2, 1, 2))))
+    shape = checkpoint_audit.expected_shape
+    assert shape("decoder.layers.mlp.experts.experts.linear_fc1.weight", (2, 8, 96, 32), dims) \
+        == (None, 8, 96, 32)
+    assert shape("model.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight",
+                 (32, 48), dims) == (32, 48)
+    assert shape("model.decoder.layers.0.mlp.experts.linear_fc1.weight5_v", (48, 32), dims) \
+        == (48, 32)
+    assert shape("decoder.layers.self_attention.linear_qkv.weight", (2, 96, 32), dims) \
+        == (None, 96, 32)
+    assert shape("embedding.word_embeddings.weight", (128, 32), dims) == (128, 32)
+    assert shape("embedding.position_embeddings.weight", (16, 32), dims) is None
+    assert shape("decoder.layers.mlp.shared_experts.linear_fc1.weight", (2, 64, 32), dims) is None
+    latent = dataclasses.replace(dims, expert_hidden=16)  # --moe-latent-size 16
+    assert shape("decoder.layers.mlp.experts.experts.linear_fc2.weight", (2, 8, 16, 48), latent) \
+        == (None, 8, 16, 48)
+
+
+def test_dims_from_transformer_config_match_dims_from_saved_args():
+    from megatron.core.transformer import TransformerConfig
+
+    a = model_args(tp=1, ep=1, etp=2)
+    config = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        kv_channels=a.kv_channels, ffn_hidden_size=a.ffn_hidden_size, num_moe_experts=a.num_experts,
+        moe_router_topk=a.moe_router_topk, moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+        gated_linear_unit=a.swiglu, add_bias_linear=False, expert_tensor_parallel_size=2,
+        use_cpu_initialization=True)
+    from_args = checkpoint_audit.ModelDims.from_args(a)
+    assert checkpoint_audit.ModelDims.from_config(config) == dataclasses.replace(
+        from_args, padded_vocab=None)
+
+
+@pytest.mark.slow
+def test_args_in_legacy_common_pt_take_precedence(tmp_path):
+    """megatron-core <=0.16 keeps the args in common.pt; the audit judges against those."""
+    iteration = tmp_path / "iter_0000001"
+    shutil.copytree(os.path.join(checkpoints(), "etp2", "iter_0000001"), iteration)
+    args = model_args(tp=2, ep=1, etp=2)
+    args.moe_ffn_hidden_size *= 2  # a config the saved experts do not fit
+    torch.save({"args": args}, iteration / "common.pt")
+    report = checkpoint_audit.audit(str(iteration))
+    assert report.exit_status == checkpoint_audit.EXIT_DAMAGED
+    assert {t.key for t in report.damaged} == {
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight"}
