@@ -472,14 +472,10 @@ register(Patch(
 
 
 def refusal_types() -> tuple[type, ...]:
-    """Exceptions that are deliberate checkpoint refusals (one line, no traceback): ours, and
-    the #1836 layout guard's where it is installed."""
-    types: tuple[type, ...] = (CheckpointRefusal,)
-    try:
-        from megatron_patches.checkpoint_guard import IncompleteCheckpointError
-    except ImportError:
-        return types
-    return types + (IncompleteCheckpointError,)
+    """Exceptions the launcher prints as one line per rank, without a traceback. The #1836
+    guard's IncompleteCheckpointError keeps megatron's per-rank error report (its tests read
+    it); it names the directory and the tensors either way."""
+    return (CheckpointRefusal,)
 
 
 def refusal_line(exc: BaseException) -> str:
