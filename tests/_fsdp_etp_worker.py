@@ -92,6 +92,17 @@ def main(ckpt_dir: str, out_json: str) -> None:
     args = argparse.Namespace(
         hidden_size=16, num_attention_heads=2, num_experts=4, moe_ffn_hidden_size=32,
         ffn_hidden_size=64, swiglu=False, expert_tensor_parallel_size=ETP, padded_vocab_size=64)
+    if os.environ.get("SAVE_GUARD"):
+        # The completeness guard checks the DTensors' global shapes before anything is written.
+        from megatron_patches import checkpoint_guard
+
+        checkpoint_guard.apply_save_guard()
+        try:
+            dcp.save({"model": saved, "args": args}, checkpoint_id=ckpt_dir)
+        except checkpoint_guard.IncompleteCheckpointError as refusal:
+            with open(f"{out_json}.rank{rank}", "w") as out:
+                json.dump({"patch": patch_line, "refused": str(refusal)}, out)
+            return
     dcp.save({"model": saved, "args": args}, checkpoint_id=ckpt_dir)
     dist.barrier()
     # What every ETP rank saved, to tell whose slice a rank holds after the reload.
