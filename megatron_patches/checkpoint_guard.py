@@ -54,7 +54,7 @@ from megatron_patches.checkpoint_audit import (
     read_checkpoint_metadata,
 )
 
-UPSTREAM = "NVIDIA/Megatron-LM#1836 (fixed by PR #1770)"
+UPSTREAM = "NVIDIA/Megatron-LM#1836"
 VERSIONS = ">=0.15,<0.20"
 _MARK = "_megatron_patches_checkpoint_guard"
 
