@@ -54,7 +54,7 @@ from megatron_patches.checkpoint_audit import (
     read_checkpoint_metadata,
 )
 
-UPSTREAM = "NVIDIA/Megatron-LM#1836 (fixed by PR #1770)"
+UPSTREAM = "NVIDIA/Megatron-LM#1836"
 VERSIONS = ">=0.15,<0.20"
 _MARK = "_megatron_patches_checkpoint_guard"
 
@@ -284,6 +284,30 @@ def load_problems(sharded_state_dict: Any, checkpoint_dir: str, dims: ModelDims 
     return sorted(set(problems))
 
 
+def _is_layout_bound_optimizer_state(problem: str) -> bool:
+    # The distributed optimizer's default (dp_reshardable) format stores flat per-bucket state
+    # whose sizes depend on the parallel layout it was saved with.
+    return ".optimizer.distributed." in problem and ".bucket_idx_" in problem
+
+
+def _load_refusal(checkpoint_dir: Any, problems: list[str]) -> str:
+    def listing(lines: list[str]) -> str:
+        more = f"\n  ... and {len(lines) - 8} more" if len(lines) > 8 else ""
+        return "\n  " + "\n  ".join(lines[:8]) + more
+
+    model = [p for p in problems if not _is_layout_bound_optimizer_state(p)]
+    if model:
+        return (f"[megatron_patches] refusing to load {checkpoint_dir}: it does not hold this "
+                f"model's tensors ({UPSTREAM}; an ETP>1 checkpoint written with 1/ETP expert "
+                f"shapes looks like this). Audit it with `python -m "
+                f"megatron_patches.checkpoint_audit {checkpoint_dir}`.{listing(model)}")
+    return (f"[megatron_patches] refusing to load {checkpoint_dir}: its distributed-optimizer "
+            f"state was saved for another parallel layout (dp_reshardable buckets). Fix: resume "
+            f"with the layout it was saved with, save with --dist-ckpt-optim-fully-reshardable "
+            f"to change layouts, or load the weights only with --no-load-optim."
+            f"{listing(problems)}")
+
+
 def _guard_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
@@ -294,13 +318,7 @@ def _guard_load(original: Callable) -> Callable:
             torch.distributed.all_gather_object(everyone, problems)
             problems = sorted({p for rank_problems in everyone for p in rank_problems})
         if problems:
-            shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more"
-                                                 if len(problems) > 8 else "")
-            raise IncompleteCheckpointError(
-                f"[megatron_patches] refusing to load {checkpoint_dir}: it does not hold this "
-                f"model's tensors ({UPSTREAM}; an ETP>1 checkpoint written with 1/ETP expert "
-                f"shapes looks like this). Audit it with `python -m "
-                f"megatron_patches.checkpoint_audit {checkpoint_dir}`.\n  {shown}")
+            raise IncompleteCheckpointError(_load_refusal(checkpoint_dir, problems))
         return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     setattr(load, _MARK, True)

@@ -14,6 +14,7 @@ comparison.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -86,7 +87,23 @@ def main(ckpt_dir: str, out_json: str) -> None:
 
     saved_model, saved_slices = build(seed=1)
     saved = expert_dtensors(saved_model)
-    dcp.save({"model": saved}, checkpoint_id=ckpt_dir)
+    # The training args go with the weights, as megatron.training saves them, so the audit can
+    # compare the saved shapes with the ones the model implies.
+    args = argparse.Namespace(
+        hidden_size=16, num_attention_heads=2, num_experts=4, moe_ffn_hidden_size=32,
+        ffn_hidden_size=64, swiglu=False, expert_tensor_parallel_size=ETP, padded_vocab_size=64)
+    if os.environ.get("SAVE_GUARD"):
+        # The completeness guard checks the DTensors' global shapes before anything is written.
+        from megatron_patches import checkpoint_guard
+
+        checkpoint_guard.apply_save_guard()
+        try:
+            dcp.save({"model": saved, "args": args}, checkpoint_id=ckpt_dir)
+        except checkpoint_guard.IncompleteCheckpointError as refusal:
+            with open(f"{out_json}.rank{rank}", "w") as out:
+                json.dump({"patch": patch_line, "refused": str(refusal)}, out)
+            return
+    dcp.save({"model": saved, "args": args}, checkpoint_id=ckpt_dir)
     dist.barrier()
     # What every ETP rank saved, to tell whose slice a rank holds after the reload.
     from megatron.core import parallel_state as ps

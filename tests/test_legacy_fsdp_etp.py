@@ -82,6 +82,18 @@ def test_unpatched_saves_one_etp_slice_and_reload_is_wrong(tmp_path):
     _audit(result["ckpt"], expect_damage=True)
 
 
+def test_completeness_guard_refuses_the_unpatched_save_on_every_rank(tmp_path):
+    out, ckpt = tmp_path / "guarded.json", tmp_path / "ckpt"
+    env = {"FSDP_STRATEGY": "no_shard", "MEGATRON_PATCHES_DISABLE": PATCH, "SAVE_GUARD": "1"}
+    launch(2, [str(ckpt), str(out)], env=env, timeout=300,
+           script=REPO / "tests" / "_fsdp_etp_worker.py").check()
+    for rank in range(2):
+        result = json.loads((tmp_path / f"guarded.json.rank{rank}").read_text())
+        assert "skipped (disabled" in result["patch"]
+        assert "mlp.experts" in result["refused"] and "#1836" in result["refused"]
+    assert not ckpt.exists() or not any(ckpt.iterdir()), "a refused save wrote files"
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_patched_saves_whole_expert_weights_and_reloads_bit_exactly(tmp_path, strategy):
     result = run(tmp_path, strategy, patched=True)
