@@ -251,6 +251,8 @@ def check_save_interval(args) -> None:
 def check_layer_layout(args) -> list[int]:
     from megatron_patches.layer_layout import LayerLayout, LayerLayoutError, validate_layer_layout
 
+    if args.num_layers is None:  # e.g. --use-checkpoint-args: megatron fills it in later
+        return [-1] * args.pipeline_model_parallel_size
     moe_pattern(args)
     layer_layout = LayerLayout.from_args(args)
     if layer_layout is None:  # explicit layouts: megatron's validate_args/TransformerConfig
