@@ -1,6 +1,8 @@
 """The patch registry (idempotent, reports every patch, honours MEGATRON_PATCHES_DISABLE) and
 the platform defaults the launcher adds."""
 
+from pathlib import Path
+
 import pytest
 from packaging.version import Version
 
@@ -73,3 +75,9 @@ def test_cuda_device_max_connections_not_forced_under_megatron_fsdp():
     assert set_environment_defaults(["--use-megatron-fsdp"], environ) == [] and environ == {}
     set_environment_defaults(["--tensor-model-parallel-size", "2"], environ)
     assert environ == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_readme_documents_every_patch():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for patch in registry.load_patches():
+        assert f"| `{patch.name}` |" in readme, f"README's patch table lacks {patch.name}"
