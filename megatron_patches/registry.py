@@ -105,6 +105,7 @@ PATCH_MODULES = (
     "megatron_patches.layer_layout",
     "megatron_patches.flops",
     "megatron_patches.mfu",
+    "megatron_patches.parameter_census",
     "megatron_patches.fsdp_expert_etp_mesh",
     "megatron_patches.checkpoint_guard",
     "megatron_patches.checkpoint_commit",

@@ -1,0 +1,32 @@
+"""Parameter totals and weight+optimizer memory come from the model built (#1778): the same
+total in every layout, and an uneven pipeline split reports its real most loaded stage, where
+megatron's estimate assumes --num-layers / PP layers per stage."""
+
+import re
+
+from _launch import TINY_MODEL, launch
+
+CENSUS = re.compile(r"parameters of the model built: total (\d+), most loaded rank (\d+)")
+MEMORY = re.compile(r"weight and optimizer memory on the most loaded rank: ([0-9.]+) MB")
+MEGATRON_REPORT = re.compile(r"Theoretical memory footprints: weight and optimizer=([0-9.]+) MB")
+
+
+def census(nproc, layout):
+    log = launch(nproc, [*TINY_MODEL, "--train-iters", "1", *layout]).check().log
+    total, most = map(int, CENSUS.search(log).groups())
+    # megatron's own memory report now carries the counted figure.
+    assert MEMORY.search(log).group(1) == MEGATRON_REPORT.search(log).group(1)
+    return total, most
+
+
+def test_totals_agree_across_layouts_and_uneven_stages_are_reported():
+    one_rank_total, one_rank_most = census(1, ["--num-layers", "4"])
+    assert one_rank_total == one_rank_most  # one rank holds every parameter once
+    pp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+          "--expert-model-parallel-size", "2"]
+    even = census(4, [*pp, "--decoder-first-pipeline-num-layers", "2",
+                      "--decoder-last-pipeline-num-layers", "2"])
+    uneven = census(4, [*pp, "--decoder-first-pipeline-num-layers", "3",
+                        "--decoder-last-pipeline-num-layers", "1"])
+    assert even[0] == uneven[0] == one_rank_total
+    assert uneven[1] > even[1]  # the 3-layer stage holds more than an even split would
