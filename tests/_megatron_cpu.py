@@ -1,6 +1,6 @@
 """Test helpers: real megatron-core GPT models on CPU (world size 1, gloo) and measured FLOPs.
 
-Import this before anything imports megatron: the CPU backend must be active first.
+Without CUDA they rely on the CPU backend, which tests/conftest.py activates before collection.
 """
 
 from __future__ import annotations
@@ -9,13 +9,7 @@ import os
 import socket
 
 import torch
-
-from megatron_patches import cpu_backend
-
-if not torch.cuda.is_available() and not cpu_backend.active():
-    cpu_backend.activate()
-
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode
 
 VOCAB = 128
 
