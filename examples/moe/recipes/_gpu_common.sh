@@ -17,3 +17,9 @@ TRAIN_ARGS=(
   --init-method-std 0.02 --attention-dropout 0.0 --hidden-dropout 0.0
   --save-interval "${SAVE_INTERVAL:-1000}" --eval-interval 1000 --eval-iters 10
 )
+# The Megatron-FSDP part of every FSDP+ETP layout: fully sharded params, grads and optimizer
+# state; megatron-core 0.19.2 saves Megatron-FSDP models only in the fsdp_dtensor format.
+FSDP_ARGS=(
+  --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+  --use-distributed-optimizer --ckpt-format fsdp_dtensor
+)

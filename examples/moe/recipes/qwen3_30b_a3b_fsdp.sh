@@ -11,6 +11,5 @@ GPUS_PER_NODE=8
 LAYOUT_ARGS=(
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
   --expert-model-parallel-size 4 --expert-tensor-parallel-size 2
-  --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
-  --use-distributed-optimizer --ckpt-format fsdp_dtensor
+  "${FSDP_ARGS[@]}"
 )
