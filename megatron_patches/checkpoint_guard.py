@@ -18,8 +18,8 @@ global-shape mismatch, but it loads without a word a checkpoint whose chunks lea
 tensor uncovered (those regions keep their initial values), and a model built by an affected
 version agrees with its own damaged checkpoint; the guard catches both.
 
-The model config comes from `expect_model(config)` if the launcher called it, else from the
-`args` megatron puts in every checkpoint's common state, else from megatron's global args.
+The model config comes from the `args` megatron puts in every checkpoint's common state, else
+from megatron's global args.
 """
 
 from __future__ import annotations
@@ -58,27 +58,11 @@ UPSTREAM = "NVIDIA/Megatron-LM#1836"
 VERSIONS = ">=0.15,<0.20"
 _MARK = "_megatron_patches_checkpoint_guard"
 
-_expected_dims: ModelDims | None = None
-
-
 class IncompleteCheckpointError(CheckpointingException):
     """A save or load was refused because the checkpoint layout is incomplete or wrong."""
 
 
-def expect_model(config: Any) -> None:
-    """Makes the guards check global shapes against this TransformerConfig (or args Namespace)."""
-    global _expected_dims
-    if config is None:
-        _expected_dims = None
-    elif hasattr(config, "num_moe_experts"):
-        _expected_dims = ModelDims.from_config(config)
-    else:
-        _expected_dims = ModelDims.from_args(config)
-
-
 def _model_dims(common_state_dict: Any = None) -> ModelDims | None:
-    if _expected_dims is not None:
-        return _expected_dims
     if isinstance(common_state_dict, dict) and common_state_dict.get("args") is not None:
         return ModelDims.from_args(common_state_dict["args"])
     from megatron.training import global_vars  # only when running under megatron.training

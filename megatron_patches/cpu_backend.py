@@ -206,10 +206,6 @@ def _reduce_scatter_uneven(group_reduce):
 _MODE: _CudaToCpu | None = None
 
 
-def active() -> bool:
-    return _MODE is not None
-
-
 def activate() -> None:
     """Installs the CPU backend for this process (idempotent). Refuses where CUDA exists."""
     global _MODE

@@ -51,10 +51,6 @@ def preflight_check(name: str):
     return register
 
 
-def registered_checks() -> list[str]:
-    return list(_CHECKS)
-
-
 # --------------------------------------------------------------------------------------------
 # Environment (runs before megatron is imported)
 # --------------------------------------------------------------------------------------------
