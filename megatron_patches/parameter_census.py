@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-
+from megatron_patches import collectives
 from megatron_patches.registry import Patch, register
 
 
@@ -63,11 +62,9 @@ def parameter_census(model_chunks, distributed_optimizer: bool) -> ParameterCens
             # A tied output layer on the last stage is a copy of the first stage's embedding.
             if not (later_stage and getattr(param, "shared_embedding", False)):
                 unique += numel / replicas
-    total = torch.tensor([unique], dtype=torch.float64)
-    most = torch.tensor([held, held_bytes], dtype=torch.float64)
-    torch.distributed.all_reduce(total)
-    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return ParameterCensus(round(total.item()), int(most[0].item()), most[1].item())
+    (total,) = collectives.reduce_numbers([unique], "sum")
+    most, most_bytes = collectives.reduce_numbers([held, held_bytes], "max")
+    return ParameterCensus(round(total), int(most), most_bytes)
 
 
 _CENSUS: list[ParameterCensus] = []
