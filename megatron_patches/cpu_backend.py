@@ -104,12 +104,17 @@ def _forget_host(tensor) -> None:
 def _inputs_all_host(args, kwargs) -> bool:
     """True when every tensor input (shallow, and one level into lists) is a host tensor."""
     seen = False
-    for value in (*args, *kwargs.values()):
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, torch.Tensor):
-                if not getattr(item, _HOST, False):
-                    return False
-                seen = True
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            if not getattr(value, _HOST, False):
+                return False
+            seen = True
+        elif type(value) in (list, tuple):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    if not getattr(item, _HOST, False):
+                        return False
+                    seen = True
     return seen
 
 
@@ -124,7 +129,7 @@ def _placement(device) -> str | None:
 
 
 def _requested_placement(func, args, kwargs) -> str | None:
-    if "device" in kwargs and kwargs["device"] is not None:
+    if kwargs and kwargs.get("device") is not None:
         return _placement(kwargs["device"]) or "unknown"
     if func is torch.Tensor.to:
         for value in args[1:]:
@@ -153,8 +158,9 @@ class _StrictCudaToCpu(_CudaToCpu):
             _forget_host(args[0])
             return args[0]
         result = super().__torch_function__(func, types, args, kwargs)
-        if not isinstance(result, (torch.Tensor, tuple, list)):
-            return result
+        if not isinstance(result, torch.Tensor) and not (
+                type(result) in (tuple, list) and result and isinstance(result[0], torch.Tensor)):
+            return result  # sizes, dtypes, numbers: the common case, kept cheap
         placement = _requested_placement(func, args, kwargs)
         if placement == "host" or (placement is None and _inputs_all_host(args, kwargs)):
             _mark_host(result)
