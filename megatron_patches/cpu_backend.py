@@ -118,23 +118,24 @@ def _inputs_all_host(args, kwargs) -> bool:
     return seen
 
 
-def _placement(device) -> str | None:
-    """'cuda', 'host' or None (not known). Only the string "cpu" is known to mean the host:
-    under this backend a device tensor's `.device` is torch.device('cpu') too."""
+def _placement(device) -> str:
+    """'cuda', 'host' or 'unknown'. Only the string "cpu" is known to mean the host: under
+    this backend a device tensor's `.device` is torch.device('cpu') too."""
     if _is_cuda_device(device):
         return "cuda"
     if isinstance(device, str) and device.startswith("cpu"):
         return "host"
-    return None
+    return "unknown"
 
 
 def _requested_placement(func, args, kwargs) -> str | None:
+    """Where the call asks its result to be, or None where it names no device."""
     if kwargs and kwargs.get("device") is not None:
-        return _placement(kwargs["device"]) or "unknown"
+        return _placement(kwargs["device"])
     if func is torch.Tensor.to:
         for value in args[1:]:
             if isinstance(value, (str, torch.device, int)) and not isinstance(value, bool):
-                return _placement(value) or "unknown"
+                return _placement(value)
         return None
     if func in _TO_HOST:
         return "host"
