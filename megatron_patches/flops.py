@@ -5,7 +5,9 @@ flags (wrong whenever #1778 bites), leaves out the router (2·h·E per token) an
 gate, ignores capacity-factor dropping/padding, and in its hybrid branch counts MLA/DSA as zero.
 This module counts every matmul of a GPT model from the layer census and the model's
 TransformerConfig; `flops-from-layer-census` puts it in place of megatron's function, which feeds
-the TFLOP/s/GPU log and the cumulative FLOPs saved in checkpoints.
+the TFLOP/s/GPU log and the cumulative FLOPs saved in checkpoints. It reads both from the record
+of the model built (built_model.py), so it requires the `layer-census` patch; without it
+megatron's formula stays.
 
 Conventions (printed at startup): a matmul of m×n by n×k is 2·m·n·k; forward + backward is
 3 × forward; causal self-attention counts half of the S×S score and value matmuls, as megatron
@@ -18,9 +20,7 @@ import dataclasses
 import functools
 import math
 
-import torch
-
-from megatron_patches import layer_layout
+from megatron_patches import built_model, collectives
 from megatron_patches.layer_layout import LayerCensus
 from megatron_patches.registry import Patch, PatchContext, register
 
@@ -198,18 +198,8 @@ def conventions(s: ModelShape) -> str:
 # Patch: replace megatron's num_floating_point_operations.
 # ---------------------------------------------------------------------------------------------
 
-_MODEL: dict[str, ModelShape] = {}
-
-
-def _on_census(census: LayerCensus, args, config) -> None:
-    if getattr(args, "hybrid_layer_pattern", None) is not None:
-        return  # hybrid stacks are not GPT decoder layers; megatron's formula stays
-    shape = ModelShape.from_config(config, args.padded_vocab_size, args.micro_batch_size,
-                                   args.seq_length)
-    _MODEL["shape"] = shape
-    tokens = args.global_batch_size * args.seq_length
-    total = flops_per_batch(shape, census, tokens, args.global_batch_size * args.seq_length ** 2)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+def _report(shape: ModelShape, total: float) -> None:
+    if collectives.rank() == 0:
         print(f"[megatron_patches] FLOPs: {conventions(shape)}", flush=True)
         print(f"FLOPs per iteration: {int(total)}", flush=True)
 
@@ -219,25 +209,33 @@ def _apply() -> None:
     if getattr(training.num_floating_point_operations, "_from_census", False):
         return
     megatron_flops = training.num_floating_point_operations
+    reported = []  # the record whose FLOPs per iteration were printed
 
     @functools.wraps(megatron_flops)
     def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=None,
                                       total_real_tokens_in_batch=None):
-        census, shape = layer_layout.built_census(), _MODEL.get("shape")
-        if census is None or shape is None:
+        built = built_model.record()
+        if built is None or getattr(args, "hybrid_layer_pattern", None) is not None:
+            # Hybrid stacks are not GPT decoder layers: megatron's formula stays.
             return megatron_flops(args, batch_size, seqlen_squared_sum_in_batch,
                                   total_real_tokens_in_batch)
+        shape = ModelShape.from_config(built.config, args.padded_vocab_size,
+                                       args.micro_batch_size, args.seq_length)
+        if not reported or reported[0] is not built:
+            reported[:] = [built]
+            _report(shape, flops_per_batch(shape, built.layers,
+                                           args.global_batch_size * args.seq_length,
+                                           args.global_batch_size * args.seq_length ** 2))
         tokens = total_real_tokens_in_batch
         if tokens is None:
             tokens = batch_size * args.seq_length
         squares = seqlen_squared_sum_in_batch
         if squares is None:
             squares = batch_size * args.seq_length ** 2
-        return flops_per_batch(shape, census, tokens, squares)
+        return flops_per_batch(shape, built.layers, tokens, squares)
 
     num_floating_point_operations._from_census = True
     training.num_floating_point_operations = num_floating_point_operations
-    layer_layout.on_census(_on_census)
 
 
 def _megatron_counts_router() -> bool:
@@ -276,4 +274,5 @@ register(Patch(
             "layers built (router, shared-expert gate, capacity factor, MLA, MTP)",
     not_needed_because=_not_needed,
     apply=_apply,
+    requires=("layer-census",),
 ))

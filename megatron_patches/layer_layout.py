@@ -8,8 +8,9 @@ than --num-layers (PP=1 N=20 first=5 last=5 builds 5; PP=3 N=4 first=3 last=3 bu
 twice). Two guards here:
 
 * `validate_layer_layout` refuses such flags before megatron validates its arguments;
-* the layer census counts what was actually built on every pipeline rank and refuses a model
-  whose layers differ from what the flags asked for. FLOPs and the aux-loss log use the census.
+* the layer census (`census_of_model`, `check_census`) counts what was actually built on every
+  pipeline rank and refuses a model whose layers differ from what the flags asked for; the
+  `layer-census` patch (built_model.py) runs it once on the model megatron built.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from megatron_patches import collectives
 from megatron_patches.registry import Patch, PatchContext, register
 
 UPSTREAM = "NVIDIA/Megatron-LM#1778"
@@ -159,7 +161,7 @@ class LayerCensus:
     dense: int  # decoder layers with a dense MLP
     moe: int  # decoder layers whose mlp is a MoELayer
     mtp: int  # MTP layer applications per forward (a repeated MTP layer counts each depth)
-    per_stage: list[int]  # decoder layers per pipeline rank
+    per_stage: tuple[int, ...]  # decoder layers per pipeline rank
     mtp_moe: int = 0  # of the MTP applications, those whose inner layer is MoE
     layer_numbers: tuple[int, ...] = ()  # 1-based decoder layer numbers, all stages, sorted
 
@@ -176,7 +178,7 @@ class LayerCensus:
                 f"decoder layers; {self.mtp} MTP ({self.mtp_moe} MoE)")
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     # DDP, FSDP and Float16Module all keep the wrapped model in .module.
     while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
         chunk = chunk.module
@@ -192,7 +194,7 @@ def _local_counts(model_chunks) -> dict:
     from megatron.core.transformer.moe.moe_layer import MoELayer
     numbers, moe_numbers, mtp, mtp_moe = [], [], 0, 0
     for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         decoder = getattr(model, "decoder", None)
         for layer in getattr(decoder, "layers", []):
             numbers.append(layer.layer_number)
@@ -215,22 +217,17 @@ def census_of_model(model_chunks, pp_group=None) -> LayerCensus:
     Each rank counts its own model chunks; the counts are gathered over the pipeline group so
     every rank sees the whole model. Without torch.distributed the local counts are the model.
     """
-    local = _local_counts(model_chunks)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if pp_group is None:
-            from megatron.core import parallel_state
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
-        stages = [None] * torch.distributed.get_world_size(pp_group)
-        torch.distributed.all_gather_object(stages, local, group=pp_group)
-    else:
-        stages = [local]
+    if collectives.distributed() and pp_group is None:
+        from megatron.core import parallel_state
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+    stages = collectives.gather_objects(_local_counts(model_chunks), group=pp_group)
     numbers = [n for s in stages for n in s["numbers"]]
     moe = sum(len(s["moe_numbers"]) for s in stages)
     return LayerCensus(
         dense=len(numbers) - moe,
         moe=moe,
         mtp=sum(s["mtp"] for s in stages),
-        per_stage=[len(s["numbers"]) for s in stages],
+        per_stage=tuple(len(s["numbers"]) for s in stages),
         mtp_moe=sum(s["mtp_moe"] for s in stages),
         layer_numbers=tuple(sorted(numbers)),
     )
@@ -268,34 +265,8 @@ def check_census(census: LayerCensus, *, num_layers: int, num_experts: int | Non
             f"{FIRST_FLAG}/{LAST_FLAG} and --pipeline-model-parallel-layout against --num-layers.")
 
 
-# Who needs the census once the model is built (FLOPs, aux-loss log); called in order.
-_CENSUS_LISTENERS: list[Callable[[LayerCensus, object, object], None]] = []
-_BUILT: dict[str, LayerCensus] = {}
-
-
-def on_census(listener: Callable[[LayerCensus, object, object], None]) -> None:
-    """listener(census, args, model_config) runs after the census of the built model."""
-    if listener not in _CENSUS_LISTENERS:
-        _CENSUS_LISTENERS.append(listener)
-
-
-def built_census() -> LayerCensus | None:
-    return _BUILT.get("census")
-
-
-def record_census(census: LayerCensus, args, model_config) -> None:
-    _BUILT["census"] = census
-    for listener in _CENSUS_LISTENERS:
-        listener(census, args, model_config)
-
-
-def _print_rank_0(message: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
-# Patches.
+# Patch: refuse the flags before megatron validates them.
 # ---------------------------------------------------------------------------------------------
 
 def _megatron_accepts_pp1_first_last() -> bool:
@@ -342,80 +313,4 @@ register(Patch(
             "before megatron.training.arguments.validate_args",
     not_needed_because=_validation_not_needed,
     apply=_apply_validation,
-))
-
-
-def _census_not_needed(context: PatchContext) -> str | None:
-    # The census is this project's own check and feeds FLOPs/aux-loss; always wanted.
-    return None
-
-
-def _apply_census() -> None:
-    from megatron.training import training
-    if getattr(training.setup_model_and_optimizer, "_layer_census", False):
-        return
-    megatron_setup = training.setup_model_and_optimizer
-
-    @functools.wraps(megatron_setup)
-    def setup_model_and_optimizer(*args, **kwargs):
-        model, optimizer, scheduler = megatron_setup(*args, **kwargs)
-        from megatron.training import get_args
-        margs = get_args()
-        census = census_of_model(model)
-        if margs.hybrid_layer_pattern is None:
-            check_census(census, num_layers=margs.num_layers, num_experts=margs.num_experts,
-                         moe_layer_freq=margs.moe_layer_freq,
-                         mtp_num_layers=margs.mtp_num_layers)
-        _print_rank_0(f"[megatron_patches] layer census: {census.summary()}")
-        record_census(census, margs, _unwrap(model[0] if isinstance(model, list) else model).config)
-        return model, optimizer, scheduler
-
-    setup_model_and_optimizer._layer_census = True
-    training.setup_model_and_optimizer = setup_model_and_optimizer
-
-
-register(Patch(
-    name="layer-census",
-    upstream=UPSTREAM,
-    versions=">=0.15,<0.20",
-    summary="counts dense/MoE/MTP layers built on every pipeline rank after "
-            "megatron.training.training.setup_model_and_optimizer and refuses a mismatch",
-    not_needed_because=_census_not_needed,
-    apply=_apply_census,
-))
-
-
-def _aux_loss_not_needed(context: PatchContext) -> str | None:
-    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
-    # Two layers, only the first MoE, one MTP layer copying the dense last layer: one MoE
-    # layer is built, so a divisor of 1 is right.
-    if MoEMetricsTracker._count_moe_layers(2, [1, 0], 1) == 1:
-        return "megatron-core already divides the aux loss by the MoE layers built"
-    return None
-
-
-def _apply_aux_loss_divisor() -> None:
-    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
-    megatron_count = MoEMetricsTracker._count_moe_layers
-    if getattr(megatron_count, "_layer_census", False):
-        return
-
-    def _count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers):
-        census = built_census()
-        if census is None or census.moe_layers_with_mtp == 0:
-            return megatron_count(num_layers, moe_layer_freq, mtp_num_layers)
-        return census.moe_layers_with_mtp
-
-    _count_moe_layers._layer_census = True
-    MoEMetricsTracker._count_moe_layers = staticmethod(_count_moe_layers)
-
-
-register(Patch(
-    name="moe-aux-loss-per-built-layer",
-    upstream=UPSTREAM,
-    versions=">=0.15,<0.20",
-    summary="averages logged MoE aux losses over the MoE layers built (MTP included) in "
-            "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._count_moe_layers",
-    not_needed_because=_aux_loss_not_needed,
-    apply=_apply_aux_loss_divisor,
 ))

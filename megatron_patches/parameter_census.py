@@ -5,8 +5,9 @@ total, the most loaded shard and the weight+optimizer memory from `--num-layers`
 pipeline stage holds num_layers / PP layers. With `--decoder-first/last-pipeline-num-layers` the
 stages are uneven (and before the layout fix could even hold other layers than asked), so the
 "most loaded shard" and the memory it implies are wrong for the stage that actually runs out of
-memory (NVIDIA/Megatron-LM#1778). This patch counts the parameters each rank holds after the
-model is built and reports those instead, with megatron's own bytes-per-parameter rule.
+memory (NVIDIA/Megatron-LM#1778). This patch reports, from the record of the model built
+(built_model.py, hence it requires `layer-census`), the parameters each rank holds, with
+megatron's own bytes-per-parameter rule. Under Megatron-FSDP a rank holds its DTensor shards.
 Targets megatron-core 0.15.x - 0.19.x.
 """
 
@@ -15,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-
+from megatron_patches import built_model
+from megatron_patches.built_model import BuiltModel, HeldElements
 from megatron_patches.registry import Patch, register
 
 
@@ -25,6 +26,13 @@ class ParameterCensus:
     total: int  # unique parameters of the whole model built
     most_loaded_rank: int  # parameters held by the rank that holds the most
     weight_and_optimizer_bytes: float  # on the rank with the most such bytes
+
+    @classmethod
+    def of(cls, built: BuiltModel, distributed_optimizer: bool) -> ParameterCensus:
+        return cls(built.unique_parameters,
+                   max(held.total for held in built.held_per_rank),
+                   max(weight_and_optimizer_bytes(held, built.parallelism, distributed_optimizer)
+                       for held in built.held_per_rank))
 
     def lines(self) -> list[str]:
         return [f"[megatron_patches] parameters of the model built: total {self.total}, "
@@ -39,62 +47,32 @@ def _bytes_per_parameter(distributed_optimizer: bool, data_parallel_size: int) -
     return 6 + 12 / data_parallel_size if distributed_optimizer else 18
 
 
-def parameter_census(model_chunks, distributed_optimizer: bool) -> ParameterCensus:
-    """Counts this rank's parameters and combines the counts of all ranks (a collective)."""
-    from megatron.core import parallel_state as ps
-
-    dense_replicas = ps.get_data_parallel_world_size(with_context_parallel=True)
-    expert_replicas = ps.get_expert_data_parallel_world_size()
-    tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    later_stage = not ps.is_pipeline_first_stage(ignore_virtual=True)
-
-    unique = held = 0.0
-    held_bytes = 0.0
-    for chunk in model_chunks:
-        for param in chunk.parameters():
-            numel = param.numel()
-            expert = not getattr(param, "allreduce", True)
-            sharded = getattr(param, "tensor_model_parallel", False)
-            replicas = (expert_replicas * (1 if sharded else etp) if expert
-                        else dense_replicas * (1 if sharded else tp))
-            held += numel
-            held_bytes += numel * _bytes_per_parameter(
-                distributed_optimizer, expert_replicas if expert else dense_replicas)
-            # A tied output layer on the last stage is a copy of the first stage's embedding.
-            if not (later_stage and getattr(param, "shared_embedding", False)):
-                unique += numel / replicas
-    total = torch.tensor([unique], dtype=torch.float64)
-    most = torch.tensor([held, held_bytes], dtype=torch.float64)
-    torch.distributed.all_reduce(total)
-    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-    return ParameterCensus(round(total.item()), int(most[0].item()), most[1].item())
-
-
-_CENSUS: list[ParameterCensus] = []
+def weight_and_optimizer_bytes(held: HeldElements, parallelism, distributed_optimizer: bool
+                               ) -> float:
+    # A Megatron-FSDP shard carries its own part of every state: 18 bytes per element held.
+    return (held.dense * _bytes_per_parameter(distributed_optimizer, parallelism.data)
+            + held.expert * _bytes_per_parameter(distributed_optimizer, parallelism.expert_data)
+            + held.sharded * _bytes_per_parameter(False, 1))
 
 
 def _apply() -> None:
-    from megatron.training import get_args, theoretical_memory_usage, training
+    from megatron.training import theoretical_memory_usage
 
-    setup = training.setup_model_and_optimizer
     estimate = theoretical_memory_usage.compute_weight_and_optimizer_memory
-
-    @functools.wraps(setup)
-    def setup_model_and_optimizer(*args, **kwargs):
-        model, optimizer, scheduler = setup(*args, **kwargs)
-        chunks = model if isinstance(model, list) else [model]
-        _CENSUS[:] = [parameter_census(chunks, get_args().use_distributed_optimizer)]
-        return model, optimizer, scheduler
+    if getattr(estimate, "_from_model_built", False):
+        return
 
     @functools.wraps(estimate)
     def compute_weight_and_optimizer_memory(args, verbose=False):
-        if not _CENSUS:
+        built = built_model.record()
+        if built is None:
             return estimate(args, verbose=verbose)
+        census = ParameterCensus.of(built, args.use_distributed_optimizer)
         if verbose:
-            print("\n".join(_CENSUS[0].lines()), flush=True)
-        return _CENSUS[0].weight_and_optimizer_bytes
+            print("\n".join(census.lines()), flush=True)
+        return census.weight_and_optimizer_bytes
 
-    training.setup_model_and_optimizer = setup_model_and_optimizer
+    compute_weight_and_optimizer_memory._from_model_built = True
     theoretical_memory_usage.compute_weight_and_optimizer_memory = (
         compute_weight_and_optimizer_memory)
 
@@ -103,7 +81,9 @@ PATCH = register(Patch(
     name="parameter-census",
     upstream="NVIDIA/Megatron-LM#1778",
     versions=">=0.15,<0.20",
-    summary="parameter totals and weight+optimizer memory counted on the model built, per rank",
+    summary="parameter totals and weight+optimizer memory counted on the model built, per rank "
+            "(megatron.training.theoretical_memory_usage.compute_weight_and_optimizer_memory)",
     not_needed_because=lambda context: None,  # megatron's estimate never sees the built model
     apply=_apply,
+    requires=("layer-census",),
 ))

@@ -2,7 +2,9 @@
 
 A patch names the upstream issue it addresses and the megatron-core versions it targets,
 decides from behaviour (not only the version) whether it is needed, applies idempotently, and
-reports one status line at startup.
+reports one status line at startup. A patch that works through another names it in `requires`:
+when that one is not applied (disabled, out of its versions, not needed) this one is skipped
+too, saying why, so that no patch reports "applied" while it cannot work.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Patch:
     # Returns None when the patch is needed, otherwise the reason it is not.
     not_needed_because: Callable[[PatchContext], str | None]
     apply: Callable[[], None]
+    requires: tuple[str, ...] = ()  # patches registered before this one that it works through
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,10 @@ _APPLIED: dict[str, PatchStatus] = {}
 def register(patch: Patch) -> Patch:
     if patch.name in _REGISTRY and _REGISTRY[patch.name] is not patch:
         raise ValueError(f"two patches are named {patch.name!r}")
+    missing = [name for name in patch.requires if name not in _REGISTRY]
+    if missing:
+        raise ValueError(f"patch {patch.name!r} requires {missing}, which must be registered "
+                         "(imported) before it")
     _REGISTRY[patch.name] = patch
     return patch
 
@@ -82,8 +89,11 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         if patch.name in _APPLIED:
             statuses.append(_APPLIED[patch.name])
             continue
+        unmet = [_APPLIED[name] for name in patch.requires if not _APPLIED[name].applied]
         if patch.name in context.disabled:
             status = PatchStatus(patch.name, False, f"disabled by {DISABLE_ENV}")
+        elif unmet:
+            status = PatchStatus(patch.name, False, f"needs {unmet[0].name}, {unmet[0].reason}")
         elif context.megatron_version not in SpecifierSet(patch.versions):
             status = PatchStatus(patch.name, False, f"targets megatron-core {patch.versions}, "
                                  f"running {context.megatron_version}")
@@ -103,6 +113,8 @@ PATCH_MODULES = (
     "megatron_patches.local_norm_sequence_parallel",
     "megatron_patches.distopt_torch_adam",
     "megatron_patches.layer_layout",
+    "megatron_patches.built_model",
+    "megatron_patches.moe_aux_loss",
     "megatron_patches.flops",
     "megatron_patches.mfu",
     "megatron_patches.parameter_census",

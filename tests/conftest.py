@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -11,4 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 if not torch.cuda.is_available():
     from megatron_patches import cpu_backend
 
+    # Strict device mode for this process and every process a test launches (they inherit the
+    # environment): a host tensor on a group that is NCCL on a GPU is refused, as NCCL would.
+    os.environ[cpu_backend.STRICT_DEVICE_ENV] = "1"
     cpu_backend.activate()

@@ -8,7 +8,7 @@ import torch
 import _megatron_cpu as cpu  # noqa: F401  (activates the CPU backend before megatron loads)
 import pytest
 
-from megatron_patches import layer_layout
+from megatron_patches import built_model
 from megatron_patches.layer_layout import (
     LayerLayout,
     LayerLayoutError,
@@ -149,7 +149,7 @@ def test_census_of_a_built_moe_model_with_mtp():
     model = cpu.build_gpt(config, seq_length=16)
     census = census_of_model([model])
     assert (census.dense, census.moe, census.mtp, census.mtp_moe) == (1, 2, 1, 1)
-    assert census.per_stage == [3] and census.layer_numbers == (1, 2, 3)
+    assert census.per_stage == (3,) and census.layer_numbers == (1, 2, 3)
     check_census(census, num_layers=3, num_experts=4, moe_layer_freq=[0, 1, 1], mtp_num_layers=1)
 
 
@@ -171,16 +171,15 @@ def test_aux_loss_is_averaged_over_moe_layers_built():
 
     from megatron_patches import registry
 
+    registry.load_patches()  # registers moe-aux-loss-per-built-layer
     config = cpu.tiny_config(num_layers=3, num_moe_experts=4, moe_router_topk=2,
                              moe_layer_freq=[1, 0, 0], mtp_num_layers=1)
     model = cpu.build_gpt(config, seq_length=16)
-    census = census_of_model([model])
-    assert census.moe_layers_with_mtp == 1
+    built = built_model.make_record([model])
+    assert built.layers.moe_layers_with_mtp == 1
     statuses = {s.name: s for s in registry.apply_patches(registry.current_context(True))}
     assert statuses["moe-aux-loss-per-built-layer"].applied
-    args = argparse.Namespace(hybrid_layer_pattern=None, padded_vocab_size=cpu.VOCAB,
-                              micro_batch_size=2, seq_length=16, global_batch_size=2)
-    layer_layout.record_census(census, args, config)  # as the layer-census patch does
+    built_model.keep(built)  # as the layer-census patch does
 
     cpu.train_step_loss(model, batch=2, seq_length=16)
     tracker = get_moe_metrics_tracker()

@@ -14,6 +14,10 @@ MEGATRON_REPORT = re.compile(r"Theoretical memory footprints: weight and optimiz
 def census(nproc, layout):
     log = launch(nproc, [*TINY_MODEL, "--train-iters", "1", *layout]).check().log
     total, most = map(int, CENSUS.search(log).groups())
+    # One record of the model built, read by every consumer: each reports once.
+    for line in ("[megatron_patches] layer census:", "FLOPs per iteration:",
+                 "parameters of the model built:"):
+        assert log.count(line) == 1, line
     # megatron's own memory report now carries the counted figure.
     assert MEMORY.search(log).group(1) == MEGATRON_REPORT.search(log).group(1)
     return total, most

@@ -1,0 +1,257 @@
+"""One record of the model megatron built: made once, after setup_model_and_optimizer, read by
+every patch that needs the truth about the model (NVIDIA/Megatron-LM#1778).
+
+megatron derives layer counts, parameter totals, FLOPs and the aux-loss divisor from the flags;
+with an uneven pipeline split (and before the layout fix, layers built twice or not at all) the
+flags and the model disagree. The `layer-census` patch wraps
+`megatron.training.training.setup_model_and_optimizer` once: it makes a `BuiltModel` from the
+model chunks megatron returns (a collective: every rank takes part), refuses a model whose
+layers differ from the flags, prints the layout, and keeps the record. Its consumers declare
+`requires=("layer-census",)`, so with the census disabled they report "skipped (needs
+layer-census, ...)" and megatron's own behaviour stays:
+
+* `moe-aux-loss-per-built-layer` (moe_aux_loss.py): the aux-loss divisor;
+* `flops-from-layer-census` (flops.py): FLOPs per batch;
+* `parameter-census` (parameter_census.py): parameter totals and weight+optimizer memory.
+
+Parameter counts are DTensor-aware: under Megatron-FSDP parameters are DTensors whose `numel()`
+is the global size; what a rank holds is its local shard.
+
+Other modules read the record through `record()` only. Per-parameter sharding (for checkpoint
+checks): `record().parameters`, `record().parameter(name, chunk)` and
+`record().parameter_of(tensor)`.
+Targets megatron-core 0.15.x - 0.19.x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from megatron_patches import collectives, layer_layout
+from megatron_patches.layer_layout import LayerCensus
+from megatron_patches.registry import Patch, register
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """The parallel sizes the model was built with (as megatron's parallel_state has them)."""
+
+    world: int
+    pipeline: int
+    tensor: int
+    expert: int
+    expert_tensor: int
+    data: int  # dense-parameter replicas: data parallel x context parallel
+    expert_data: int  # expert-parameter replicas
+    first_stage: bool  # this rank is on the first pipeline stage
+
+    @classmethod
+    def of_megatron(cls) -> Parallelism:
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            world=collectives.world_size(),
+            pipeline=ps.get_pipeline_model_parallel_world_size(),
+            tensor=ps.get_tensor_model_parallel_world_size(),
+            expert=ps.get_expert_model_parallel_world_size(),
+            expert_tensor=ps.get_expert_tensor_parallel_world_size(),
+            data=ps.get_data_parallel_world_size(with_context_parallel=True),
+            expert_data=ps.get_expert_data_parallel_world_size(),
+            first_stage=ps.is_pipeline_first_stage(ignore_virtual=True),
+        )
+
+    def owners(self, expert: bool) -> int:
+        """Ranks that hold a part (or a copy) of one parameter: a dense one lives on every rank
+        of its pipeline stage (TP x CP x DP), an expert on those of its expert-parallel rank
+        (ETP x EDP)."""
+        return self.world // (self.pipeline * (self.expert if expert else 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterSharding:
+    """How one parameter of this rank is split."""
+
+    name: str  # as named_parameters() of the unwrapped model chunk names it
+    chunk: int  # model chunk (virtual pipeline stage) on this rank
+    local_shape: tuple[int, ...]  # what this rank holds (a DTensor's local shard)
+    global_shape: tuple[int, ...]  # the whole parameter, over TP/ETP and Megatron-FSDP
+    partition_dim: int | None  # dimension split by tensor parallelism, None if not split
+    split_over: int  # ranks partition_dim is split over: TP (dense) or ETP (expert); else 1
+    # In megatron's expert groups (allreduce=False): split over ETP, replicated over expert DP.
+    # With EP=1 and ETP=TP megatron keeps expert weights in the dense groups: False then.
+    expert: bool
+    dtensor: bool  # a Megatron-FSDP DTensor (its shard is this rank's part of the state too)
+    tied_copy: bool  # the last stage's copy of a tied embedding (counted once, on stage 0)
+    held_numel: int  # elements this rank holds
+
+    @property
+    def global_numel(self) -> int:
+        numel = 1
+        for size in self.global_shape:
+            numel *= size
+        return numel
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldElements:
+    """Parameter elements one rank holds, by how megatron keeps their optimizer state."""
+
+    dense: int  # plain tensors, state sharded over `data` by the distributed optimizer
+    expert: int  # plain tensors, state sharded over `expert_data`
+    sharded: int  # DTensor shards: all their state lives with the shard
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert + self.sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltModel:
+    layers: LayerCensus  # every pipeline stage's layers
+    config: object  # the model's TransformerConfig
+    parallelism: Parallelism
+    parameters: tuple[ParameterSharding, ...]  # this rank's, in named_parameters() order
+    held_per_rank: tuple[HeldElements, ...]  # every rank's, in global rank order
+    unique_parameters: int  # the whole model's, each parameter counted once
+    # (address of the first element, element count) of this rank's parameters at record time
+    addresses: dict[tuple[int, int], ParameterSharding] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False)
+
+    def parameter(self, name: str, chunk: int = 0) -> ParameterSharding | None:
+        return self._by_name.get((chunk, name))
+
+    def parameter_of(self, tensor: torch.Tensor) -> ParameterSharding | None:
+        """The parameter whose elements `tensor` is (or starts at: views of a whole parameter,
+        as state dicts hold them). Matched by the address of the first element and the element
+        count, not the storage: megatron's gradient buffers put all parameters in one storage.
+        Addresses are those at the end of setup_model_and_optimizer."""
+        local = _local(tensor)
+        return self.addresses.get((local.data_ptr(), local.numel()))
+
+    @functools.cached_property
+    def _by_name(self) -> dict[tuple[int, str], ParameterSharding]:
+        return {(p.chunk, p.name): p for p in self.parameters}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # DTensor keeps this rank's shard in _local_tensor (to_local() returns a view of it).
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def _attribute(param, name: str, default):
+    # Megatron-FSDP keeps megatron's parameter attributes on the original parameter.
+    if hasattr(param, name):
+        return getattr(param, name)
+    return getattr(getattr(param, "orig_param", None), name, default)
+
+
+def sharding_of(name: str, chunk: int, param: torch.Tensor,
+                parallelism: Parallelism) -> ParameterSharding:
+    local = _local(param)
+    dtensor = local is not param
+    expert = not _attribute(param, "allreduce", True)
+    split = bool(_attribute(param, "tensor_model_parallel", False))
+    partition_dim = _attribute(param, "partition_dim", None) if split else None
+    split_over = (parallelism.expert_tensor if expert else parallelism.tensor) if split else 1
+    global_shape = list(param.shape)  # a DTensor's shape is global, TP included
+    if not dtensor and partition_dim is not None:
+        global_shape[partition_dim] *= split_over
+    return ParameterSharding(
+        name=name, chunk=chunk, local_shape=tuple(local.shape),
+        global_shape=tuple(global_shape), partition_dim=partition_dim, split_over=split_over,
+        expert=expert, dtensor=dtensor,
+        tied_copy=not parallelism.first_stage and bool(_attribute(param, "shared_embedding",
+                                                                  False)),
+        held_numel=local.numel())
+
+
+def count_parameters(shardings, parallelism: Parallelism) -> tuple[int, tuple[HeldElements, ...]]:
+    """The model's unique parameters and every rank's held elements (collectives).
+
+    Each rank adds global_numel / owners for each parameter it holds, so the owners of one
+    parameter add up to its global size however they split it (TP, ETP, FSDP shards, or copies).
+    """
+    unique = sum(p.global_numel / parallelism.owners(p.expert)
+                 for p in shardings if not p.tied_copy)
+    held = HeldElements(
+        dense=sum(p.held_numel for p in shardings if not p.dtensor and not p.expert),
+        expert=sum(p.held_numel for p in shardings if not p.dtensor and p.expert),
+        sharded=sum(p.held_numel for p in shardings if p.dtensor))
+    (total,) = collectives.reduce_numbers([unique], "sum")
+    return round(total), tuple(collectives.gather_objects(held))
+
+
+def make_record(model_chunks) -> BuiltModel:
+    """The record of `model_chunks` (megatron's list of model chunks); every rank calls it."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    parallelism = Parallelism.of_megatron()
+    entries = [(sharding_of(name, index, param, parallelism), _local(param))
+               for index, chunk in enumerate(chunks)
+               for name, param in layer_layout.unwrap(chunk).named_parameters()]
+    shardings = tuple(sharding for sharding, _ in entries)
+    unique, held = count_parameters(shardings, parallelism)
+    return BuiltModel(
+        layers=layer_layout.census_of_model(chunks), config=layer_layout.unwrap(chunks[0]).config,
+        parallelism=parallelism, parameters=shardings, held_per_rank=held,
+        unique_parameters=unique,
+        addresses={(local.data_ptr(), local.numel()): sharding
+                   for sharding, local in entries if local.numel()})
+
+
+# The record of the model this process trains: set once by the layer-census patch.
+_RECORD: list[BuiltModel] = []
+
+
+def record() -> BuiltModel | None:
+    """The model built, or None before setup_model_and_optimizer (or without layer-census)."""
+    return _RECORD[0] if _RECORD else None
+
+
+def keep(built: BuiltModel) -> None:
+    _RECORD[:] = [built]
+
+
+def _print_rank_0(message: str) -> None:
+    if collectives.rank() == 0:
+        print(message, flush=True)
+
+
+def _apply() -> None:
+    from megatron.training import training
+    if getattr(training.setup_model_and_optimizer, "_records_model", False):
+        return
+    megatron_setup = training.setup_model_and_optimizer
+
+    @functools.wraps(megatron_setup)
+    def setup_model_and_optimizer(*args, **kwargs):
+        model, optimizer, scheduler = megatron_setup(*args, **kwargs)
+        from megatron.training import get_args
+        margs = get_args()
+        built = make_record(model)
+        if margs.hybrid_layer_pattern is None:
+            layer_layout.check_census(built.layers, num_layers=margs.num_layers,
+                                      num_experts=margs.num_experts,
+                                      moe_layer_freq=margs.moe_layer_freq,
+                                      mtp_num_layers=margs.mtp_num_layers)
+        _print_rank_0(f"[megatron_patches] layer census: {built.layers.summary()}")
+        keep(built)
+        return model, optimizer, scheduler
+
+    setup_model_and_optimizer._records_model = True
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+PATCH = register(Patch(
+    name="layer-census",
+    upstream=layer_layout.UPSTREAM,
+    versions=">=0.15,<0.20",
+    summary="records the model built (layers per pipeline stage, parameter sharding) after "
+            "megatron.training.training.setup_model_and_optimizer and refuses layers that "
+            "differ from the flags",
+    # The record is this project's own; the aux-loss, FLOPs and parameter patches read it.
+    not_needed_because=lambda context: None,
+    apply=_apply,
+))
