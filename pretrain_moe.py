@@ -25,6 +25,10 @@ def main(argv: list[str]) -> None:
     # the process, so a save that runs out of room fails like a full disk, with a message.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     track = check_environment()
+    # Before the first CUDA call (torch.cuda.is_available() starts CUDA): see the function.
+    from moe_launcher.platform_defaults import (
+        set_environment_defaults, with_logging_defaults, with_platform_defaults)
+    environment_lines = set_environment_defaults(argv, os.environ)
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         from megatron_patches import cpu_backend
@@ -32,15 +36,13 @@ def main(argv: list[str]) -> None:
         cpu_backend.activate()
 
     from megatron_patches import registry
-    from moe_launcher.platform_defaults import (
-        set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
     registry.load_patches()
     for status in registry.apply_patches(registry.current_context(cpu_backend=on_cpu)):
         log0(status.line())
     argv, platform_lines = with_platform_defaults(argv, on_cpu=on_cpu)
     argv, logging_lines = with_logging_defaults(argv)
-    for line in platform_lines + logging_lines + set_environment_defaults(argv, os.environ):
+    for line in platform_lines + logging_lines + environment_lines:
         log0(line)
 
     from megatron.core.enums import ModelType

@@ -3,20 +3,22 @@
 MoE with TP > 1 requires sequence parallelism (megatron asserts it), but the local spec's
 `WrappedTorchNorm` refuses `config.sequence_parallel`. Under sequence parallelism a norm sees
 only its rank's slice of the sequence, so its weight gradients must be summed over the TP group;
-megatron does that for every parameter marked `sequence_parallel = True`. This patch builds the
-same torch norm and marks its parameters, which is what Transformer Engine's norms do.
-Affects every install without Transformer Engine (CPU, bare GPU). Targets 0.15.x - 0.19.x.
+megatron does that for every parameter marked `sequence_parallel = True`, which is what
+Transformer Engine's norms carry. Affects every install without Transformer Engine (CPU, bare
+GPU). Targets 0.15.x - 0.19.x.
+
+The norm is still built by megatron's own `WrappedTorchNorm`, with every check it makes
+(zero-centred gamma from --apply-layernorm-1p, persistent or memory-efficient norms, the
+normalization kind): only its sequence-parallel refusal is answered, by showing it a copy of the
+config with sequence_parallel off. The built norm's parameters are then marked.
 """
 
+import copy
 import types
-
-import torch
 
 from megatron.core.transformer import torch_norm
 
 from megatron_patches.registry import Patch, register
-
-_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
 
 def _not_needed_because(context):
@@ -36,10 +38,11 @@ def _apply():
     def new(cls, config, hidden_size, eps=1e-5, **kwargs):
         if not config.sequence_parallel:
             return build(cls, config, hidden_size, eps, **kwargs)
-        if config.normalization not in _NORMS:
-            raise ValueError(f"--normalization {config.normalization} has no sequence-parallel "
-                             f"local implementation; use LayerNorm or RMSNorm")
-        norm = _NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
+        # A shallow copy: the norm does not keep the config, and the model's config (shared by
+        # every layer) is left as it is.
+        without_sequence_parallel = copy.copy(config)
+        without_sequence_parallel.sequence_parallel = False
+        norm = build(cls, without_sequence_parallel, hidden_size, eps, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = True
         return norm
@@ -51,7 +54,8 @@ PATCH = register(Patch(
     name="local-norm-sequence-parallel",
     upstream="local spec: torch_norm.WrappedTorchNorm asserts not sequence_parallel",
     versions=">=0.15,<0.20",
-    summary="torch norms under sequence parallelism, weights marked for TP grad all-reduce",
+    summary="megatron's torch norms under sequence parallelism, weights marked for TP grad "
+            "all-reduce",
     not_needed_because=_not_needed_because,
     apply=_apply,
 ))

@@ -1,26 +1,66 @@
-"""The forward step megatron's pretrain() calls for every micro-batch of a GPT model."""
+"""The forward step megatron's pretrain() calls for every micro-batch of a GPT model.
+
+It does what megatron's own GPT step (Megatron-LM's pretrain_gpt.py) does, through megatron's
+helpers: it finds the virtual pipeline stage of the model chunk it is given, gives each
+context-parallel rank its slice of the sequence, and runs megatron's NaN / Inf / spiky-loss
+checks on the loss through the rerun state machine.
+"""
 
 from functools import partial
 
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
 from megatron.training import get_args
+
+# megatron's threshold: a loss over 10x the largest recently seen is "spiky".
+SPIKY_LOSS_FACTOR = 10
 
 
 def _next_batch(data_iterator):
     # Every rank reads its own copy of the batch (the dataset provider is distributed-aware),
     # so no TP/PP broadcast is needed; stages simply ignore the fields they do not use.
     batch = next(data_iterator)
-    return {key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
-            for key, value in batch.items()}
+    batch = {key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
+             for key, value in batch.items()}
+    # The ranks of a context-parallel group read the same sequences; each keeps the two of its
+    # 2 x CP chunks megatron's load-balanced split assigns it (a no-op at CP 1). The datasets
+    # here never carry packed-sequence boundaries (cu_seqlens), so it is the per-sequence split.
+    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                     cp_group=parallel_state.get_context_parallel_group())
+
+
+def _validate_loss(loss: torch.Tensor) -> None:
+    """megatron's checks of this rank's loss, before the data-parallel reduction; the rerun
+    state machine reruns the step, and stops the job for a NaN or Inf that reproduces."""
+    args = get_args()
+    rerun_state_machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        for rejection_func, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun_state_machine.validate_result(
+                result=loss, rejection_func=rejection_func,
+                message=f"found {name} in local forward loss calculation",
+                tolerance=0.0,  # the forward pass is deterministic
+                fatal=True)
+    if args.check_for_spiky_loss:
+        rerun_state_machine.validate_result(
+            result=loss,
+            rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
+                                   threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of token losses, the token count, and the (sum, count) pair megatron averages."""
+    """Sum of token losses, the token count, and the (sum, count) pair megatron averages.
+
+    Under context parallelism both cover this rank's slice of the sequence: megatron's schedule
+    and its data-parallel reduction (over DP x CP) combine the slices."""
     mask = loss_mask.view(-1).float()
     loss_sum = torch.sum(output_tensor.view(-1).float() * mask)
     num_tokens = mask.sum().to(torch.int)
+    _validate_loss(loss_sum)
     report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
     return loss_sum, num_tokens, {"lm loss": report}
 
@@ -28,7 +68,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator, model):
     args = get_args()
     batch = _next_batch(data_iterator)
-    vp_stage = getattr(model, "vp_stage", None)
+    # The schedule passes the DDP/FSDP wrapper; the chunk's virtual stage is on the GPTModel.
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
     is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     output = model(
         batch["tokens"],

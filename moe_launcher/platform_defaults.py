@@ -92,13 +92,45 @@ def with_logging_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
     ))
 
 
+# megatron's rule (validate_args): with tensor or context parallelism a TP/CP communication
+# kernel is queued before the GEMM that waits for it, and only one hardware queue per device
+# (CUDA_DEVICE_MAX_CONNECTIONS=1) makes the GPU start it first, so megatron asserts that value
+# before Blackwell. Torch FSDP2 and Megatron-FSDP assert the opposite (they overlap their own
+# collectives on several queues), and --overlap-moe-expert-parallel-comm wants several queues
+# (megatron only warns there). From Blackwell on megatron no longer requires it; its linear
+# layers still recommend it for TP, so the default stays (export another value to override).
+_PARALLEL_SIZES = ("--tensor-model-parallel-size", "--context-parallel-size")
+_WANT_MANY_DEVICE_CONNECTIONS = ("--use-torch-fsdp2", "--use-megatron-fsdp",
+                                 "--overlap-moe-expert-parallel-comm")
+
+
+def _size(argv: list[str], flag: str) -> int:
+    try:
+        return int(_flag_value(argv, flag) or 1)
+    except ValueError:  # megatron's parser refuses it with its own message
+        return 1
+
+
+def _needs_one_device_connection(argv: list[str]) -> bool:
+    """Whether megatron requires CUDA_DEVICE_MAX_CONNECTIONS=1 for this command line.
+
+    Read from argv: megatron's parser takes no abbreviations, so these spellings are the only
+    ones, and the launcher must decide before anything starts CUDA (see set_environment_defaults).
+    """
+    return (any(_size(argv, flag) > 1 for flag in _PARALLEL_SIZES)
+            and not any(flag in argv for flag in _WANT_MANY_DEVICE_CONNECTIONS))
+
+
 def set_environment_defaults(argv: list[str], environ) -> list[str]:
-    """Sets environment variables megatron requires for this command line; returns log lines."""
-    lines = []
-    # megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1 for TP/CP without Megatron-FSDP (it orders
-    # the TP communication kernels before the GEMMs that depend on them); FSDP wants it unset.
-    if "--use-megatron-fsdp" not in argv and "CUDA_DEVICE_MAX_CONNECTIONS" not in environ:
-        environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-        lines.append("[pretrain_moe] default CUDA_DEVICE_MAX_CONNECTIONS=1: megatron requires it "
-                     "for tensor/context parallelism")
-    return lines
+    """Sets environment variables megatron requires for this command line; returns log lines.
+
+    pretrain_moe.py calls it before its first CUDA call: CUDA reads CUDA_DEVICE_MAX_CONNECTIONS
+    when it initialises, so a value set later would pass megatron's check without taking
+    effect. examples/moe/train.sh exports it for its recipes before Python starts; this covers
+    pretrain_moe.py started any other way. A value already set wins.
+    """
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in environ or not _needs_one_device_connection(argv):
+        return []
+    environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return ["[pretrain_moe] default CUDA_DEVICE_MAX_CONNECTIONS=1: megatron requires it for "
+            "tensor/context parallelism without FSDP"]

@@ -278,6 +278,28 @@ def check_transformer_engine(args) -> None:
                              "(the NGC PyTorch image has it) or pass --transformer-impl local")
 
 
+@preflight_check("context-parallel-attention")
+def check_context_parallel_attention(args) -> None:
+    # Context parallelism runs in Transformer Engine's attention; megatron's own
+    # DotProductAttention (the local spec's, and --attention-backend local's) asserts
+    # context_parallel_size == 1 when the model is built. Kitchen's attention (the local spec
+    # with --use-kitchen-attention) may support it: that is left to megatron.
+    if args.context_parallel_size <= 1:
+        return
+    from megatron.core.transformer.enums import AttnBackend
+
+    local_attention = ((args.transformer_impl == "local" and not args.use_kitchen_attention)
+                       or args.attention_backend == AttnBackend.local)
+    if local_attention:
+        raise PreflightError("--context-parallel-size",
+                             f"--context-parallel-size {args.context_parallel_size} needs "
+                             "Transformer Engine's attention, but this run builds megatron's "
+                             f"local attention (--transformer-impl {args.transformer_impl}, "
+                             f"--attention-backend {args.attention_backend.name}); fix: install "
+                             "Transformer Engine and pass --transformer-impl transformer_engine "
+                             "(not --attention-backend local), or pass --context-parallel-size 1")
+
+
 @preflight_check("data-path")
 def check_data_path(args) -> None:
     if getattr(args, "mock_data", False):

@@ -55,6 +55,9 @@ CASES = {
     "megatron-fsdp-with-torch-dist": (1, ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
                                       "--ckpt-format"),
     "save-without-save-interval": (1, [], "--save-interval"),
+    # On CPU the local spec: its attention asserts context_parallel_size == 1 at model build.
+    "context-parallel-without-transformer-engine": (2, ["--context-parallel-size", "2"],
+                                                    "--context-parallel-size"),
 }
 # Counted in the report: every case is a bad input that must be refused.
 BAD_INPUTS_TRIED = len(CASES) + 2  # + the unsupported megatron-core install + the torchrun case

@@ -27,6 +27,12 @@ LAYOUTS = {
     "tp2-ep2-allgather": (4, ["--tensor-model-parallel-size", "2",
                               "--expert-model-parallel-size", "2", "--sequence-parallel",
                               "--moe-token-dispatcher-type", "allgather"]),
+    # Interleaved (virtual) pipeline: 2 model chunks per pipeline rank, so 4 layers.
+    "pp2-vpp2": (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                     "--num-virtual-stages-per-pipeline-rank", "2"]),
+    "pp2-vpp2-ep2": (4, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                         "--num-virtual-stages-per-pipeline-rank", "2",
+                         "--expert-model-parallel-size", "2"]),
 }
 
 

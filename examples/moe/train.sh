@@ -12,8 +12,10 @@
 # NPROC (local ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if
 # present, else python), NODES / GPUS_PER_NODE (override the recipe's, e.g. to dry-run another
 # size), LOG_INTERVAL (default 1), DRY_RUN=1, CONTAINER_IMAGE (pyxis/enroot image for srun),
-# CONTAINER_MOUNTS (extra src:dst[,...] mounts), MASTER_PORT. Arguments other than --list,
-# --dry-run and --help are passed to pretrain_moe.py after everything else.
+# CONTAINER_MOUNTS (extra src:dst[,...] mounts), MASTER_PORT. A recipe's RUN_ENV (e.g.
+# CUDA_DEVICE_MAX_CONNECTIONS=1 for TP without FSDP) is exported for every rank unless the
+# variable is already set. Arguments other than --list, --dry-run and --help are passed to
+# pretrain_moe.py after everything else.
 #
 #SBATCH --job-name=moe-pretrain
 #SBATCH --nodes=1
@@ -79,6 +81,7 @@ IMPL_ARGS=()
 MODEL_ARGS=()
 LAYOUT_ARGS=()
 TRAIN_ARGS=()
+RUN_ENV=()  # NAME=VALUE pairs the recipe's layout needs in the environment of every rank
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/$RECIPE.sh"
 NODES=${env_nodes:-$NODES}
@@ -117,6 +120,16 @@ if [[ "$DRY_RUN" == print ]]; then
   printf '%s\0' "${ARGS[@]}"
   exit 0
 fi
+# Exported before Python starts, so CUDA reads them when it initialises (srun and torchrun pass
+# the environment to every rank); a value already in the environment wins.
+for pair in "${RUN_ENV[@]}"; do
+  name=${pair%%=*}
+  if [[ -z "${!name+set}" ]]; then
+    export "$pair"
+    echo "[train.sh] recipe $RECIPE: $pair"
+  fi
+done
+
 if [[ "$DRY_RUN" == 1 ]]; then
   world=${SLURM_NTASKS:-$((NODES * GPUS_PER_NODE))}
   echo "[train.sh] recipe $RECIPE: dry run for $world ranks ($NODES node(s) x $GPUS_PER_NODE)"

@@ -8,6 +8,8 @@ source "$RECIPE_DIR/_model_mixtral_8x7b.sh"
 source "$RECIPE_DIR/_gpu_common.sh"
 NODES=4
 GPUS_PER_NODE=8
+# Tensor parallelism without FSDP: megatron requires one hardware queue per GPU.
+RUN_ENV=(CUDA_DEVICE_MAX_CONNECTIONS=1)
 LAYOUT_ARGS=(
   --tensor-model-parallel-size 2 --sequence-parallel
   --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2

@@ -1,0 +1,37 @@
+"""pretrain_moe.py whose loss turns NaN from the second iteration on (test_loss_checks_cpu only).
+
+The project's forward step and loss function run unchanged; the loss function is handed the
+model's token losses plus a constant NaN, so the gradients stay finite and only a check of the
+loss itself can notice. (Megatron skips its checks on the first iteration.)
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+if not torch.cuda.is_available():  # as pretrain_moe.py does, before megatron is imported
+    from megatron_patches import cpu_backend
+
+    cpu_backend.activate()
+
+from megatron.training import get_args  # noqa: E402
+
+from moe_launcher import gpt_step  # noqa: E402
+
+forward_step = gpt_step.forward_step
+
+
+def forward_step_with_nan_loss(data_iterator, model):
+    output, loss_func = forward_step(data_iterator, model)
+    if get_args().curr_iteration < 1:
+        return output, loss_func
+    return output, lambda output_tensor: loss_func(output_tensor + float("nan"))
+
+
+gpt_step.forward_step = forward_step_with_nan_loss  # pretrain_moe.main imports it from here
+sys.argv[0] = str(REPO / "pretrain_moe.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
