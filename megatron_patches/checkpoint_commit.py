@@ -20,8 +20,27 @@ or a resumed run that saves the iteration it loaded) rewrites those files in pla
 * a failing save (disk full, a dead rank) raises `CheckpointSaveError` naming the directory;
   the previous checkpoint and the tracker are untouched and the staging directory is removed.
 
-Before every save and load rank 0 recovers what a crash can leave (`recover`): a
-`_replaced_*` directory the tracker still points at is moved back, other leftovers are removed.
+Only the one job that writes a directory ever cleans it up. Rank 0 claims its --save for the
+life of the process with an exclusive lock on `<save>/_checkpoint_writer.lock` (a POSIX record
+lock: the kernel, or the NFS/Lustre/GPFS lock manager, drops it when the process dies, however
+it dies) and writes its host, pid and job there. Holding the lock proves every earlier writer
+dead, so the claim then recovers what their crashes left (`recover`): a `_replaced_*` directory
+the tracker still names is moved back, other leftovers are removed. A second job that would write
+the same --save while the holder lives is refused, naming the holder. A job whose --load is
+another directory (an evaluation, a fine-tune) only reads there: the iteration the tracker names,
+never a staged one, and it writes nothing (the directory may be read-only). The claim happens at
+load time when --save already exists, else at the first save. Where the filesystem has no locks
+the lock file's record decides: a writer on this host whose process is gone is dead, one still
+running is refused, one on another host cannot be judged, and the claim says so and goes on.
+
+megatron's --save-retain-interval deletes the previous iteration inside save_checkpoint (a thread
+started just after its tracker write), that is before this patch's commit; a crash then left the
+tracker naming a deleted directory. During a wrapped save megatron's deletion
+(`checkpointing._async_delete_checkpoint_impl`, which its retention code starts) only records the
+request; once the tracker names the new iteration the older directory is renamed to
+`_retired_iter_*` (atomic) and removed in the background. A crash at any step leaves the tracker
+naming a complete directory; a crash between the tracker write and the rename keeps the older
+iteration (complete, untracked) instead of deleting it.
 
 "checkpoint-load-integrity" wraps `load_checkpoint` the same way: every rank resolves the
 checkpoint the tracker (or --ckpt-step) names and checks it before megatron reads it -- the
@@ -36,18 +55,27 @@ failing while the others wait in a collective. This complements the #1836 layout
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import functools
 import inspect
+import json
 import os
 import shutil
+import socket
 import sys
-from typing import Any, Callable
+import threading
+import time
+from typing import Callable
 
+from megatron_patches import collectives
 from megatron_patches.registry import Patch, PatchContext, register
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STAGING_PREFIX = "_partial_"
 REPLACED_PREFIX = "_replaced_"
+RETIRED_PREFIX = "_retired_"
+WRITER_LOCK = "_checkpoint_writer.lock"
 _MARK = "_megatron_patches_checkpoint_commit"
 
 
@@ -122,7 +150,8 @@ def read_tracker(save_dir: str) -> str | None:
 
 
 def recover(save_dir: str) -> list[str]:
-    """Undoes what a crash during a commit can leave; returns what it did (rank 0 only)."""
+    """Undoes what a crash during a save or commit can leave; returns what it did. Only for the
+    directory's one writer (`claim`): every other job's files there may be in use."""
     if not save_dir or not os.path.isdir(save_dir):
         return []
     done = []
@@ -140,6 +169,9 @@ def recover(save_dir: str) -> list[str]:
             else:
                 shutil.rmtree(path, ignore_errors=True)
                 done.append(f"removed {name}")
+        elif name.startswith(RETIRED_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {name} (dropped by --save-retain-interval)")
         elif name.startswith(STAGING_PREFIX) or name.startswith(TRACKER + ".tmp."):
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
@@ -164,6 +196,147 @@ def commit(save_dir: str, dirname: str, tracker_value: str) -> None:
     write_tracker(save_dir, tracker_value)
     if os.path.lexists(replaced):
         shutil.rmtree(replaced, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# One writer per directory
+# --------------------------------------------------------------------------------------------
+_claimed: dict[str, int] = {}  # realpath of a --save this process writes -> its locked file
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (tells a reused pid apart); None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _this_writer() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+            "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def _describe(writer: dict) -> str:
+    if not writer:
+        return "writer unknown"
+    job = f", job {writer['job']}" if writer.get("job") else ""
+    return f"pid {writer.get('pid')} on {writer.get('host')}{job}, since {writer.get('since')}"
+
+
+def _running_here(writer: dict) -> bool | None:
+    """Whether the recorded writer's process still runs: True/False on its own host, None
+    (cannot tell) on another."""
+    if writer.get("host") != socket.gethostname() or not isinstance(writer.get("pid"), int):
+        return None
+    try:
+        os.kill(writer["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it runs, as another user
+    start = _process_start(writer["pid"])
+    return start is None or writer.get("start") in (None, start)
+
+
+def claim(save_dir: str) -> list[str]:
+    """Makes this process the one writer of `save_dir` for its lifetime (rank 0), then cleans up
+    what earlier writers, dead by then, left there; returns what it did. Raises
+    CheckpointSaveError while another live job writes there."""
+    key = os.path.realpath(save_dir)
+    if key in _claimed:
+        return []
+    os.makedirs(save_dir, exist_ok=True)
+    lock = os.path.join(save_dir, WRITER_LOCK)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        previous = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        previous = {}
+    done = []
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        live = False
+    except OSError as exc:
+        if exc.errno not in _NO_LOCKS:  # EACCES/EAGAIN: the holder lives
+            live = True
+        else:  # a filesystem without locks: judge by the record
+            running = _running_here(previous) if previous else False
+            live = bool(running) and previous.get("pid") != os.getpid()
+            if running is None:
+                done.append(f"file locks are not supported there, so whether its last writer "
+                            f"({_describe(previous)}) still runs cannot be told; this job "
+                            f"takes the directory over")
+    if live:
+        os.close(fd)
+        raise CheckpointSaveError(
+            f"refusing to write {save_dir}: another live job writes there ({_describe(previous)}"
+            f"; it holds {lock}). Two jobs saving into one directory overwrite and clean up each "
+            f"other's checkpoints. Fix: give this job its own --save; it may still --load "
+            f"{save_dir}, which only reads the iteration the tracker names")
+    record = json.dumps(_this_writer()).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record, 0)
+    os.fsync(fd)
+    _claimed[key] = fd  # held open: closing it would release the lock
+    return done + recover(save_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# --save-retain-interval deletions, after the commit
+# --------------------------------------------------------------------------------------------
+def remove_retired(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    print(f"[megatron_patches] atomic-checkpoint-commit: removed "
+          f"{os.path.basename(path).removeprefix(RETIRED_PREFIX)} from {os.path.dirname(path)} "
+          f"(--save-retain-interval), after the tracker moved past it", flush=True)
+
+
+def drop_iteration(save_dir: str, iteration: int) -> None:
+    """Deletes an iteration the tracker no longer names: renamed aside first (atomic), so a crash
+    during the removal leaves a `_retired_*` leftover, never a half-deleted `iter_*`."""
+    dirname = iteration_dirname(iteration)
+    source = os.path.join(save_dir, dirname)
+    retired = os.path.join(save_dir, RETIRED_PREFIX + dirname)
+    try:
+        os.rename(source, retired)
+        _fsync_dir(save_dir)
+        remove_retired(retired)
+    except OSError as exc:  # as megatron's own deletion: not fatal to training
+        print(f"[megatron_patches] atomic-checkpoint-commit: could not delete {source}: {exc}",
+              flush=True)
+
+
+class DeferredRetention:
+    """The deletions megatron's retention asks for during one save, carried out once that save is
+    committed (or never, when it fails). It stands in for megatron's
+    `_async_delete_checkpoint_impl`, which megatron runs in a thread that may start late."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._requested: list[tuple[str, int]] = []
+        self._state = "saving"
+
+    def request(self, save_path: str, iteration_to_delete: int, *_, **__) -> None:
+        with self._lock:
+            state = self._state
+            if state == "saving":
+                self._requested.append((save_path, iteration_to_delete))
+        if state == "committed":  # megatron's thread ran after the commit: delete now
+            drop_iteration(save_path, iteration_to_delete)
+
+    def committed(self) -> None:
+        with self._lock:
+            self._state, requested, self._requested = "committed", self._requested, []
+        for save_path, iteration in requested:  # in the background, as megatron does
+            threading.Thread(target=drop_iteration, args=(save_path, iteration)).start()
+
+    def abandoned(self) -> None:
+        with self._lock:
+            self._state, self._requested = "abandoned", []
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,49 +411,32 @@ def load_problems(load_dir: str, ckpt_step: int | None, ckpt_format: str | None)
 # --------------------------------------------------------------------------------------------
 # Wrappers
 # --------------------------------------------------------------------------------------------
-def _dist():
-    import torch
-
-    return torch.distributed if torch.distributed.is_initialized() else None
-
-
-def _rank() -> int:
-    dist = _dist()
-    return dist.get_rank() if dist else 0
-
-
-def _barrier() -> None:
-    dist = _dist()
-    if dist:
-        dist.barrier()
-
-
-def _agree(problems: list[str]) -> list[str]:
-    """Every rank's problems, on every rank."""
-    dist = _dist()
-    if not dist or dist.get_world_size() == 1:
-        return problems
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    return sorted({p for rank_problems in everyone for p in rank_problems})
-
-
-def _recover_on_rank0(directory: str | None) -> None:
-    if directory and _rank() == 0:
+def _own(save_dir: str, create: bool) -> None:
+    """On every rank: rank 0 claims `save_dir` (`claim`; only when it exists unless `create`)
+    and reports what it cleaned up; a refusal is raised on every rank alike."""
+    outcome: tuple[str, list[str]] = ("claimed", [])
+    if collectives.rank() == 0 and (create or os.path.isdir(save_dir)):
         try:
-            lines = recover(directory)
-        except OSError as exc:  # e.g. a read-only --load directory: report, do not stop
-            lines = [f"could not clean up an interrupted save: {exc}"]
+            outcome = ("claimed", claim(save_dir))
+        except CheckpointSaveError as exc:
+            outcome = ("refused", [str(exc)])
+        except OSError as exc:  # e.g. not writable: megatron's own save reports that
+            outcome = ("claimed", [f"could not claim it for this job ({exc}); nothing there "
+                                   f"is cleaned up"])
+    kind, lines = collectives.gather_objects(outcome)[0]
+    if kind == "refused":
+        raise CheckpointSaveError(lines[0])
+    if collectives.rank() == 0:
         for line in lines:
-            print(f"[megatron_patches] atomic-checkpoint-commit: {directory}: {line}", flush=True)
-    _barrier()
+            print(f"[megatron_patches] atomic-checkpoint-commit: {save_dir}: {line}", flush=True)
 
 
 @contextlib.contextmanager
-def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str):
-    """During megatron's save, files of `dirname` go to the staging directory and the tracker
-    to a scratch file (carrying the current value, which megatron reads for retention).
-    Yields the list of calls to run once the checkpoint is committed."""
+def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str,
+                retention: DeferredRetention):
+    """During megatron's save, files of `dirname` go to the staging directory, the tracker to a
+    scratch file (carrying the current value, which megatron reads for retention) and retention
+    deletions to `retention`. Yields the list of calls to run once the checkpoint is committed."""
     final = os.path.join(save_dir, dirname)
     staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
     get_name = checkpointing.get_checkpoint_name
@@ -308,10 +464,13 @@ def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str
             final + checkpoint_path[len(staging):] if checkpoint_path.startswith(staging)
             else checkpoint_path, get_tracker(directory), directory, iteration))
 
+    delete = getattr(checkpointing, "_async_delete_checkpoint_impl", None)
     checkpointing.get_checkpoint_name = get_checkpoint_name
     checkpointing.get_checkpoint_tracker_filename = get_checkpoint_tracker_filename
     if on_saved is not None:
         wandb_utils.on_save_checkpoint_success = on_save_checkpoint_success
+    if delete is not None:
+        checkpointing._async_delete_checkpoint_impl = retention.request
     try:
         yield deferred
     finally:
@@ -319,6 +478,8 @@ def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str
         checkpointing.get_checkpoint_tracker_filename = get_tracker
         if on_saved is not None:
             wandb_utils.on_save_checkpoint_success = on_saved
+        if delete is not None:
+            checkpointing._async_delete_checkpoint_impl = delete
 
 
 def _first_line(exc: BaseException) -> str:
@@ -341,6 +502,20 @@ def _room(save_dir: str) -> str:
     return ", ".join(parts) or "free space unknown"
 
 
+_retention_note_said = False
+
+
+def _say_once_if_retention_not_deferred(checkpointing, margs) -> None:
+    global _retention_note_said
+    if (getattr(margs, "save_retain_interval", None) and collectives.rank() == 0
+            and not hasattr(checkpointing, "_async_delete_checkpoint_impl")
+            and not _retention_note_said):
+        _retention_note_said = True
+        print("[megatron_patches] atomic-checkpoint-commit: this megatron-core deletes "
+              "--save-retain-interval checkpoints without _async_delete_checkpoint_impl, so "
+              "their deletion is not deferred past the commit", flush=True)
+
+
 def _wrap_save(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
@@ -359,26 +534,30 @@ def _wrap_save(original: Callable) -> Callable:
         iteration = call.arguments["iteration"]
         dirname = iteration_dirname(iteration, release)
         scratch = os.path.join(save_dir, STAGING_PREFIX + TRACKER)
-        if _rank() == 0:
-            os.makedirs(save_dir, exist_ok=True)
-        _recover_on_rank0(save_dir)
-        if _rank() == 0 and os.path.isfile(os.path.join(save_dir, TRACKER)):
+        rank0 = collectives.rank() == 0
+        _own(save_dir, create=True)
+        _say_once_if_retention_not_deferred(checkpointing, margs)
+        if rank0 and os.path.isfile(os.path.join(save_dir, TRACKER)):
             shutil.copyfile(os.path.join(save_dir, TRACKER), scratch)
         staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+        retention = DeferredRetention()
         try:
-            with _redirected(checkpointing, save_dir, dirname, scratch) as after_commit:
+            with _redirected(checkpointing, save_dir, dirname, scratch, retention) as after_commit:
                 result = original(*args, **kwargs)
-            if _rank() == 0:
+            if rank0:
                 commit(save_dir, dirname, "release" if release else str(iteration))
                 if os.path.exists(scratch):
                     os.unlink(scratch)
-            _barrier()  # the save returns on every rank only once it is committed
+                retention.committed()
+            collectives.barrier()  # the save returns on every rank only once it is committed
             for deferred in after_commit:
                 deferred()
         except (KeyboardInterrupt, SystemExit):
+            retention.abandoned()
             raise
         except BaseException as exc:  # torch's CheckpointException is a BaseException
-            if _rank() == 0:
+            retention.abandoned()
+            if rank0:
                 shutil.rmtree(staging, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     os.unlink(scratch)
@@ -391,7 +570,7 @@ def _wrap_save(original: Callable) -> Callable:
                      f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
                      f"which is unchanged; the partial {STAGING_PREFIX + dirname} was removed")
             raise CheckpointSaveError(
-                f"saving iteration {iteration} to {save_dir} failed on rank {_rank()}: "
+                f"saving iteration {iteration} to {save_dir} failed on rank {collectives.rank()}: "
                 f"{_first_line(exc)} ({_room(save_dir)}); {state}. Fix: free space in (or "
                 f"point --save away from) {save_dir}, then resume with --load {save_dir}"
             ) from exc
@@ -406,16 +585,20 @@ def _wrap_load(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def load_checkpoint(*args, **kwargs):
+        from megatron.training import checkpointing
         from megatron.training.global_vars import get_args
 
         margs = get_args()
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         load_dir = getattr(margs, call.arguments.get("load_arg") or "load", None)
-        if load_dir and os.path.isdir(load_dir):
-            _recover_on_rank0(load_dir)
-            problems = _agree(load_problems(load_dir, getattr(margs, "ckpt_step", None),
-                                            getattr(margs, "ckpt_format", None)))
+        # This job's own --save is claimed (and recovered) before anything is read from it;
+        # only atomic-checkpoint-commit's saves need the claim.
+        if margs.save and hasattr(checkpointing.save_checkpoint, _MARK):
+            _own(margs.save, create=False)
+        if load_dir and os.path.isdir(load_dir):  # read only: it may be another job's
+            problems = collectives.union(load_problems(load_dir, getattr(margs, "ckpt_step", None),
+                                                       getattr(margs, "ckpt_format", None)))
             if problems:
                 raise CheckpointLoadError(" | ".join(problems))
         return original(*args, **kwargs)
@@ -455,7 +638,8 @@ register(Patch(
              "crash during saving)'; in-place tracker write",
     versions=">=0.15,<0.20",
     summary="megatron.training.checkpointing.save_checkpoint writes to _partial_iter_*, rank 0 "
-            "renames it into place, then replaces the tracker (temp + fsync + os.replace)",
+            "renames it into place, then replaces the tracker (temp + fsync + os.replace); one "
+            "locked writer per --save cleans up; --save-retain-interval deletes after the commit",
     not_needed_because=_commit_not_needed,
     apply=lambda: _install("save_checkpoint", _wrap_save),
 ))

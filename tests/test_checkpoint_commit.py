@@ -5,7 +5,13 @@ Each test builds the directory a crash at one point of a save leaves behind and 
 test_failure_safety_cpu.py.
 """
 
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +39,7 @@ def test_crash_before_rename_leaves_tracker_on_previous_and_is_cleaned(tmp_path)
     cc.write_tracker(str(tmp_path), "1")
     fake_checkpoint(tmp_path / "_partial_iter_0000002")  # killed while ranks were writing
     (tmp_path / f"{cc.TRACKER}.tmp.123").write_text("")  # killed inside write_tracker
+    fake_checkpoint(tmp_path / "_retired_iter_0000000")  # killed removing a dropped iteration
     assert cc.recover(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", cc.TRACKER]
     assert cc.read_tracker(str(tmp_path)) == "iter_0000001"
@@ -80,3 +87,37 @@ def test_missing_files_and_short_files_are_named(tmp_path):
     assert "missing" in cc.file_problems(str(directory))[0]
     (directory / ".metadata").unlink()
     assert ".metadata is missing" in cc.file_problems(str(directory))[0]
+
+
+def test_a_live_writer_keeps_its_directory_and_a_dead_ones_leftovers_are_cleaned(tmp_path):
+    """Another process claims the directory and stages a save: this one is refused and leaves
+    the staged files; once that process is killed (a requeued job) the claim cleans them up."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megatron_patches import checkpoint_commit "
+         "as cc; cc.claim(sys.argv[1]); print('claimed', flush=True); time.sleep(120)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=Path(cc.__file__).parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        fake_checkpoint(tmp_path / "_partial_iter_0000002")
+        with pytest.raises(cc.CheckpointSaveError) as refused:
+            cc.claim(str(tmp_path))
+        assert "another live job" in str(refused.value) and f"pid {holder.pid} " in str(
+            refused.value), refused.value
+        assert (tmp_path / "_partial_iter_0000002").is_dir()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert any("_partial_iter_0000002" in line for line in cc.claim(str(tmp_path)))
+    assert not (tmp_path / "_partial_iter_0000002").exists()
+    assert json.loads((tmp_path / cc.WRITER_LOCK).read_text())["pid"] == os.getpid()
+
+
+def test_without_file_locks_the_writer_record_decides(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = socket.gethostname()
+    assert cc._running_here({"host": here, "pid": os.getpid(),
+                             "start": cc._process_start(os.getpid())}) is True
+    assert cc._running_here({"host": here, "pid": dead.pid}) is False
+    assert cc._running_here({"host": here, "pid": os.getpid(), "start": "1"}) is False  # reused
+    assert cc._running_here({"host": here + "-elsewhere", "pid": os.getpid()}) is None

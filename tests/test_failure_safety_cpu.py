@@ -72,11 +72,12 @@ def audit_exit_status(iteration_dir: Path) -> int | None:
 class LiveRun:
     """torchrun in the background; its output collected line by line."""
 
-    def __init__(self, args: list[str], nproc: int = 2, preexec=None):
+    def __init__(self, args: list[str], nproc: int = 2, preexec=None,
+                 script: Path = REPO / "pretrain_moe.py", env: dict | None = None):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(REPO / "pretrain_moe.py"), *args]
+                   f"--nproc-per-node={nproc}", str(script), *args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": str(REPO)}
+               "PYTHONPATH": str(REPO), **(env or {})}
         self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, preexec_fn=preexec)
         self.lines: list[str] = []
@@ -105,13 +106,18 @@ class LiveRun:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"run did not stop within {timeout}s:\n{self.log()[-4000:]}")
+        self.reader.join(10)
+        return self.log()
+
+    def stop(self) -> None:
+        """Kills the run (torchrun and its ranks) if it still runs."""
+        if self.proc.poll() is None:
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 child.kill()
             self.proc.kill()
             self.proc.wait(30)
-            raise AssertionError(f"run did not stop within {timeout}s:\n{self.log()[-4000:]}")
-        self.reader.join(10)
-        return self.log()
 
     def log(self) -> str:
         return "".join(self.lines)

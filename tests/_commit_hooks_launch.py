@@ -1,0 +1,67 @@
+"""pretrain_moe.py with one test-only stop inside atomic-checkpoint-commit, so that a test puts a
+run into a chosen state of a save deterministically (a crash there, or a save left in flight).
+Run under torchrun like pretrain_moe.py.
+
+COMMIT_HOOK=<point>:<dirname>:<action>
+  point   commit         megatron's save has returned, the staged directory is not renamed yet
+          write_tracker  the staged directory is renamed into place, the tracker is not written
+          remove_retired the tracker names the new iteration; the older one megatron's
+                         --save-retain-interval drops is moved aside, not yet removed
+  dirname the iteration directory the hooked call is about (the one saved, or the one dropped)
+  action  kill           SIGKILL this process (a second later, as a crash would come: threads
+                         megatron started, such as its retention deletion, get to run)
+          wait=<file>    create <file>.reached, then wait until <file> exists
+"""
+
+import functools
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import pretrain_moe
+from megatron_patches import checkpoint_commit
+
+# Which iteration directory each hooked call is about.
+_SUBJECT = {
+    "commit": lambda save_dir, dirname, tracker_value: dirname,
+    "write_tracker": lambda save_dir, value: (
+        value if value == "release" else checkpoint_commit.iteration_dirname(int(value))),
+    "remove_retired": lambda path: os.path.basename(path).removeprefix(
+        checkpoint_commit.RETIRED_PREFIX),
+}
+
+
+def _act(action: str) -> None:
+    if action == "kill":
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    gate = action.removeprefix("wait=")
+    open(gate + ".reached", "w").close()
+    while not os.path.exists(gate):
+        time.sleep(0.1)
+
+
+def _install(spec: str) -> None:
+    point, dirname, action = spec.split(":", 2)
+    original = getattr(checkpoint_commit, point)
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        if _SUBJECT[point](*args, **kwargs) == dirname:
+            _act(action)
+        return original(*args, **kwargs)
+
+    setattr(checkpoint_commit, point, hooked)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        from megatron_patches import cpu_backend
+
+        cpu_backend.activate()
+    if os.environ.get("COMMIT_HOOK"):
+        _install(os.environ["COMMIT_HOOK"])
+    pretrain_moe.main(sys.argv[1:])
