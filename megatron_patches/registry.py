@@ -102,6 +102,7 @@ PATCH_MODULES = (
     "megatron_patches.dataset_helpers",
     "megatron_patches.local_norm_sequence_parallel",
     "megatron_patches.distopt_torch_adam",
+    "megatron_patches.router_count_precision",
     "megatron_patches.layer_layout",
     "megatron_patches.flops",
     "megatron_patches.mfu",
