@@ -106,6 +106,7 @@ PATCH_MODULES = (
     "megatron_patches.scheduler_resume_weight_decay",
     "megatron_patches.global_aux_loss_dp_scale",
     "megatron_patches.expert_rng_resume",
+    "megatron_patches.expert_load_metrics",
     "megatron_patches.layer_layout",
     "megatron_patches.flops",
     "megatron_patches.mfu",
