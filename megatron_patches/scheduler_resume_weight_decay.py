@@ -1,7 +1,7 @@
 """After a resume the first step uses the checkpoint's weight-decay schedule, not the command line's.
 
 Upstream: NVIDIA/Megatron-LM PR #5213 (dev branch only, not in core_r0.19.0). Targets
-megatron-core 0.15.x - 0.19.x, whose OptimizerParamScheduler.load_state_dict is the same.
+megatron-core 0.19.x (0.15.3's load_state_dict has the same order; not tested there).
 
 `OptimizerParamScheduler.load_state_dict` restores the learning-rate fields, then calls
 `self.step(num_steps)` (which writes `lr` and `weight_decay` into every optimizer param group),
@@ -68,7 +68,7 @@ def _not_needed_because(context: PatchContext) -> str | None:
 PATCH = register(Patch(
     name=NAME,
     upstream="NVIDIA/Megatron-LM PR #5213",
-    versions=">=0.15,<0.20",
+    versions=">=0.19,<0.20",
     summary="param groups get the checkpoint's weight decay when the scheduler state is loaded",
     not_needed_because=_not_needed_because,
     apply=_apply,
