@@ -48,7 +48,8 @@ class LayerLoad:
     @property
     def cv(self) -> float:
         mean = self.mean
-        variance = sum((n - mean) ** 2 for n in self.tokens_per_expert) / len(self.tokens_per_expert)
+        counts = self.tokens_per_expert
+        variance = sum((n - mean) ** 2 for n in counts) / len(counts)
         return math.sqrt(variance) / mean if mean else 0.0
 
     @property
@@ -56,8 +57,9 @@ class LayerLoad:
         return sum(1 for n in self.tokens_per_expert if n == 0)
 
     def scalars(self) -> dict[str, float]:
-        values = {"tokens_min": min(self.tokens_per_expert), "tokens_max": max(self.tokens_per_expert),
-                  "tokens_mean": self.mean, "tokens_cv": self.cv, "idle_experts": self.idle_experts}
+        counts = self.tokens_per_expert
+        values = {"tokens_min": min(counts), "tokens_max": max(counts), "tokens_mean": self.mean,
+                  "tokens_cv": self.cv, "idle_experts": self.idle_experts}
         if self.dropped is not None:
             values["dropped_tokens"] = self.dropped
         return values
@@ -77,7 +79,8 @@ def _count(router, routing_map: torch.Tensor) -> None:
                                               device=assigned.device)
         router._expert_load[:-1] += assigned
         config = router.config
-        if config.moe_expert_capacity_factor is not None and not config.moe_pad_expert_input_to_capacity:
+        if (config.moe_expert_capacity_factor is not None
+                and not config.moe_pad_expert_input_to_capacity):
             # Top-k routing assigns every token k experts; what the map lacks was dropped.
             router._expert_load[-1] += routing_map.shape[0] * router.topk - assigned.sum()
     _ROUTERS.add(router)

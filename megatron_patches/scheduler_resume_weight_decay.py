@@ -1,4 +1,4 @@
-"""After a resume the first step uses the checkpoint's weight-decay schedule, not the command line's.
+"""After a resume the first step uses the checkpoint's weight-decay schedule, not the flags'.
 
 Upstream: NVIDIA/Megatron-LM PR #5213 (dev branch only, not in core_r0.19.0). Targets
 megatron-core 0.19.x (0.15.3's load_state_dict has the same order; not tested there).
