@@ -26,11 +26,7 @@ import sys
 from typing import Iterable, Sequence
 
 from megatron_patches.checkpoint_geometry import Box, coverage, describe_chunks
-from megatron_patches.checkpoint_metadata import (  # noqa: F401  (UnreadableCheckpoint, TRACKER_FILE: part of this CLI's interface)
-    TRACKER_FILE,
-    UnreadableCheckpoint,
-    read_checkpoint_metadata,
-)
+from megatron_patches.checkpoint_metadata import UnreadableCheckpoint, read_checkpoint_metadata
 from megatron_patches.config_shape_rules import (
     ModelDims,
     expected_numel,

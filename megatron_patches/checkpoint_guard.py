@@ -328,20 +328,24 @@ def _explained_by_layout(saved_shape, model_shape, saved, current) -> bool:
 def _judge_saved(key: str, model_shape, allow_shape_mismatch: bool, saved: SavedTensor,
                  dims: ModelDims | None, layouts: tuple) -> tuple[str, str] | None:
     """(kind, problem) for loading the checkpoint's `saved` tensor into a model tensor."""
+    expected = expected_shape(key, saved.global_shape, dims) if dims else None
+    contradicts_args = expected is not None and not shape_matches(saved.global_shape, expected)
+    args_imply = (f"the args saved with it imply {['*' if e is None else e for e in expected]}"
+                  if contradicts_args else "")
     if saved.global_shape != tuple(model_shape) and not allow_shape_mismatch:
         text = (f"{key}: checkpoint global shape {list(saved.global_shape)}, model expects "
                 f"{list(model_shape)}")
+        if contradicts_args:
+            return DAMAGE, f"{text} ({args_imply})"
         if _LAYOUT_BOUND.search(key) or _explained_by_layout(saved.global_shape, model_shape,
                                                              *layouts):
             return LAYOUT, text
         return MISMATCH, text
+    if contradicts_args:
+        return DAMAGE, f"{key}: checkpoint global shape {list(saved.global_shape)} but {args_imply}"
     cov = coverage(saved.global_shape, saved.chunks)
     if not cov.exact:
         return DAMAGE, f"{key}: {_coverage_problem(cov)} in the checkpoint"
-    expected = expected_shape(key, saved.global_shape, dims) if dims else None
-    if expected is not None and not shape_matches(saved.global_shape, expected):
-        return DAMAGE, (f"{key}: checkpoint global shape {list(saved.global_shape)} but the args "
-                        f"saved with it imply {['*' if e is None else e for e in expected]}")
     return None
 
 

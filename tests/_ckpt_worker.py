@@ -375,7 +375,9 @@ def _snapshot(root: str) -> dict[str, list[int]]:
 
 
 def scenario_bench(out: str, repeats: int = 15) -> dict:
-    """Saves etp1/ and etp2/ once, then the ETP=2 model repeatedly without and with the guard."""
+    """Saves etp1/ and etp2/ once, then the ETP=2 model repeatedly without and with the guard
+    (each timed from building the state dict to the end of the save)."""
+    from megatron.training import checkpointing
     from megatron_patches import checkpoint_guard
 
     for name, layout in LAYOUTS.items():
@@ -383,18 +385,21 @@ def scenario_bench(out: str, repeats: int = 15) -> dict:
         save(state_dict(model, args, 1), os.path.join(out, name), 1)
     model, args = build_model(**LAYOUTS["etp2"])
     unguarded = (checkpoint_guard.state_dict_utils.validate_sharding_integrity,
-                 checkpoint_guard.serialization.save_preprocess)
+                 checkpoint_guard.serialization.save_preprocess, checkpointing.generate_state_dict)
     check_times: list[float] = []
-    enforce = checkpoint_guard.enforce_complete_layout
 
-    def timed_enforce(*a, **k):
-        start = time.perf_counter()
-        try:
-            return enforce(*a, **k)
-        finally:
-            check_times.append(time.perf_counter() - start)
+    def timed(check):
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return check(*a, **k)
+            finally:
+                check_times.append(time.perf_counter() - start)
+        return run
 
-    checkpoint_guard.enforce_complete_layout = timed_enforce
+    # Both checks are looked up at call time: the shapes against the parameters, the tiling.
+    checkpoint_guard.enforce_complete_layout = timed(checkpoint_guard.enforce_complete_layout)
+    checkpoint_guard.refuse_wrong_model_shapes = timed(checkpoint_guard.refuse_wrong_model_shapes)
     times: dict[str, list[float]] = {"without_guard": [], "with_guard": []}
     iteration = 1
     for _ in range(repeats):
@@ -403,11 +408,15 @@ def scenario_bench(out: str, repeats: int = 15) -> dict:
                 checkpoint_guard.apply_save_guard()
             else:
                 (checkpoint_guard.state_dict_utils.validate_sharding_integrity,
-                 checkpoint_guard.serialization.save_preprocess) = unguarded
+                 checkpoint_guard.serialization.save_preprocess,
+                 checkpointing.generate_state_dict) = unguarded
             iteration += 1
-            times[mode].append(save(state_dict(model, args, iteration),
-                                    os.path.join(out, "timed", mode), iteration))
-    return {"times": times, "check_times": check_times}
+            start = time.perf_counter()
+            sd = state_dict(model, args, iteration)
+            built = time.perf_counter() - start
+            times[mode].append(built + save(sd, os.path.join(out, "timed", mode), iteration))
+    # Two checks per guarded save: report their sum per save.
+    return {"times": times, "check_times": [a + b for a, b in zip(check_times[::2], check_times[1::2])]}
 
 
 SCENARIOS = {"make": scenario_make, "guards": scenario_guards, "bench": scenario_bench,

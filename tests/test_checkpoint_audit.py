@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megatron_patches import checkpoint_audit, config_shape_rules
+from megatron_patches import checkpoint_audit, checkpoint_metadata, config_shape_rules
 from megatron_patches.checkpoint_geometry import coverage
 
 from _checkpoints import ROOT, checkpoints
@@ -81,7 +81,7 @@ def test_unreadable_directories_exit_2(tmp_path):
     (garbled / ".metadata").write_bytes(b"\x80\x04 not a pickle")
     dangling = tmp_path / "dangling"
     dangling.mkdir()
-    (dangling / checkpoint_audit.TRACKER_FILE).write_text("7")
+    (dangling / checkpoint_metadata.TRACKER_FILE).write_text("7")
     for path in (empty, garbled, dangling, tmp_path / "missing"):
         assert checkpoint_audit.main([str(path)]) == checkpoint_audit.EXIT_UNREADABLE, path
     proc = run_cli(str(garbled), "--json")

@@ -214,22 +214,38 @@ def test_valid_model_variants_save_audit_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp1_checkpoint_resumes_at_tp2_and_a_layout_bound_optimizer_is_named(tmp_path):
+def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
     """--vocab-size 300 pads to 384 at TP1 and to 512 at TP2: megatron marks embeddings, output
-    layer and MTP tensors allow_shape_mismatch for exactly this. The distributed optimizer's
-    default dp_reshardable state is bound to the layout it was saved with."""
+    layer and MTP tensors allow_shape_mismatch for exactly this. (The distributed optimizer's
+    default dp_reshardable state is bound to its layout, hence --no-load-optim.)"""
     model = [*TINY_MODEL, "--vocab-size", "300", "--use-distributed-optimizer",
              "--ckpt-format", "torch_dist", "--train-iters", "2"]
     save = tmp_path / "tp1"
     launch_2_ranks(2, [*model, "--expert-model-parallel-size", "2", "--exit-interval", "1",
                        "--save-interval", "1", "--save", str(save)], timeout=400).check()
-    tp2 = [*model, "--tensor-model-parallel-size", "2", "--load", str(save)]
-    with_optimizer = launch_2_ranks(2, tp2, timeout=400)
-    assert with_optimizer.returncode != 0
-    assert "it was saved with another parallel layout (TP=1" in with_optimizer.log, \
-        with_optimizer.log[-4000:]
-    assert "--no-load-optim" in with_optimizer.log
-    assert "fully-reshardable" not in with_optimizer.log and "#1836" not in with_optimizer.log
-    weights_only = launch_2_ranks(2, [*tp2, "--no-load-optim", "--no-load-rng"], timeout=400)
-    assert weights_only.returncode == 0, weights_only.log[-4000:]
-    assert "iteration        2/" in weights_only.log
+    resumed = launch_2_ranks(2, [*model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--load", str(save),
+                                 "--no-load-optim", "--no-load-rng"], timeout=400)
+    assert resumed.returncode == 0, resumed.log[-4000:]
+    assert "refusing" not in resumed.log and "iteration        2/" in resumed.log
+
+
+def test_layout_bound_optimizer_state_is_refused_as_a_layout_change():
+    """dp_reshardable buckets whose size the parallel layout fixes: a layout change, not #1836,
+    and no advice to use --dist-ckpt-optim-fully-reshardable (the launcher cannot resume those)."""
+    from megatron_patches.checkpoint_metadata import SavedTensor
+
+    key = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.bfloat16).bucket_idx_0.exp_avg"
+    saved = SavedTensor(key, (1024,), 4, (((0,), (512,)), ((512,), (512,))))
+    layouts = ({"TP": 1, "EP": 2, "DP": 2}, {"TP": 2, "EP": 1, "DP": 1})
+    kind, text = checkpoint_guard._judge_saved(key, (2048,), False, saved, None, layouts)
+    assert kind == checkpoint_guard.LAYOUT
+    refusal = checkpoint_guard._load_refusal("/ckpt/iter_0000002", [(kind, text)], layouts)
+    assert "saved with another parallel layout (TP=1 EP=2 DP=2; this run TP=2 EP=1 DP=1)" in refusal
+    assert "--no-load-optim" in refusal and "resume with the saved layout" in refusal
+    assert "fully-reshardable" not in refusal and "#1836" not in refusal
+    # A vocabulary padded for another TP is megatron's allow_shape_mismatch business.
+    vocab = SavedTensor("embedding.word_embeddings.weight", (384, 64), 2, (((0, 0), (384, 64)),))
+    assert checkpoint_guard._judge_saved(vocab.key, (512, 64), True, vocab, None, layouts) is None
+    assert checkpoint_guard._judge_saved(vocab.key, (512, 64), False, vocab, None, layouts)[0] \
+        == checkpoint_guard.MISMATCH
