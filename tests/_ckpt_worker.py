@@ -323,6 +323,7 @@ def scenario_fsdp_guard(out: str) -> dict:
     from megatron.training import checkpointing
     from megatron_patches import checkpoint_guard
 
+    dcp_save = dcp.save
     checkpoint_guard.apply_save_guard()
     checkpoint_guard.apply_load_guard()
     model, args = build_model(tp=1, ep=1, etp=2, swiglu=False, ckpt_format="fsdp_dtensor")
@@ -359,7 +360,8 @@ def scenario_fsdp_guard(out: str) -> dict:
     damaged_load = _attempt(lambda: load_like_megatron(os.path.join(out, "fsdp_1836")))
     dist.barrier()
     good_load = _attempt(lambda: load_like_megatron(os.path.join(out, "fsdp_good")))
-    return {"good_save": good_save, "damaged_save": damaged_save,
+    return {"dcp_save_untouched": dcp.save is dcp_save,
+            "good_save": good_save, "damaged_save": damaged_save,
             "damaged_written": damaged_written, "damaged_load": damaged_load,
             "good_load": good_load}
 

@@ -99,12 +99,10 @@ def test_fsdp_dtensor_save_and_load_guards_at_megatrons_call_sites(tmp_path):
     """Real DTensors on a 2-rank gloo mesh, saved and loaded through megatron.training's
     fsdp_dtensor call sites (generate_state_dict, preprocess_fsdp_dtensor_state_dict,
     _load_base_checkpoint); torch.distributed.checkpoint itself is not wrapped."""
-    import torch.distributed.checkpoint as dcp
-
-    assert not hasattr(dcp.save, "__wrapped__")
     results = run_scenario("fsdp_guard", str(tmp_path))
     fc2 = "module.decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
     for rank, result in enumerate(results):
+        assert result["dcp_save_untouched"]
         assert result["good_save"] is None, (rank, result["good_save"])
         assert result["damaged_save"].startswith("IncompleteCheckpointError"), (rank, result)
         assert (f"{fc2}: global shape [32, 24] but its parameter implies [32, 48] (local [32, 24] "
@@ -249,3 +247,22 @@ def test_layout_bound_optimizer_state_is_refused_as_a_layout_change():
     assert checkpoint_guard._judge_saved(vocab.key, (512, 64), True, vocab, None, layouts) is None
     assert checkpoint_guard._judge_saved(vocab.key, (512, 64), False, vocab, None, layouts)[0] \
         == checkpoint_guard.MISMATCH
+
+
+TE_ONLY_VARIANTS = {
+    "latent-moe": ["--moe-latent-size", "32"],
+    "mla": ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+            "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", TE_ONLY_VARIANTS)
+def test_te_only_variants_save_a_complete_checkpoint(variant, tmp_path):
+    pytest.importorskip("transformer_engine", reason="megatron-core 0.19.2 builds latent MoE "
+                        "projections and multi-latent attention only with Transformer Engine")
+    save = tmp_path / "ckpt"
+    run = launch_2_ranks(2, [*TINY_MODEL, *TE_ONLY_VARIANTS[variant], *ETP2, "--train-iters", "1",
+                             "--save-interval", "1", "--save", str(save)], timeout=400)
+    assert run.returncode == 0 and "refusing" not in run.log, run.log[-4000:]
+    assert checkpoint_audit.audit(str(save)).exit_status == checkpoint_audit.EXIT_COMPLETE
