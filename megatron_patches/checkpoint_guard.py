@@ -1,94 +1,194 @@
 """Refuses to save or load a checkpoint whose tensor layout is incomplete (Megatron-LM #1836).
 
-Save guard ("checkpoint-completeness-guard"): megatron's own `validate_sharding_integrity` runs by
-default on save and checks that main replicas tile each tensor's *declared* global shape, but
-(a) it never compares that shape with the model config, which is exactly how #1836 slipped
-through (expert global shapes 1/ETP of the truth, tiled perfectly), and (b) it raises on rank 0
-only, leaving the other ranks to hang in the save collectives. The guard runs on every rank on
-the metadata megatron has already all-gathered, checks tiling and config-implied shapes (expert
-tensors first) and raises everywhere before a byte is written, so the previous checkpoint and
-the tracker file stay as they were. fsdp_dtensor saves (torch.distributed.checkpoint.save of
-DTensors, whose placements always cover their shape) get the config-shape check.
+With expert tensor parallelism (ETP>1) megatron-core <0.16 (Megatron-FSDP) declared expert
+weights with a global shape 1/ETP of the truth and wrote one ETP slice; a reload gave the other
+ETP ranks the wrong slice. Nothing in such a save looks broken to megatron's own checks: its
+`validate_sharding_integrity` checks that main replicas tile each tensor's *declared* global
+shape (which the damaged layout does) and raises on rank 0 only, leaving the other ranks in the
+save collectives.
 
-Load guard ("checkpoint-load-guard"): before `dist_checkpointing.load` reads anything it compares
-the checkpoint's `.metadata` with the sharded state dict of the model being loaded into (and with
-the config), then agrees across ranks so every rank stops with the same message instead of some
-loading wrong expert weights or waiting forever. megatron-core 0.19.2 itself rejects a plain
-global-shape mismatch, but it loads without a word a checkpoint whose chunks leave part of a
-tensor uncovered (those regions keep their initial values), and a model built by an affected
-version agrees with its own damaged checkpoint; the guard catches both.
+Save guard ("checkpoint-completeness-guard"):
+* the model's tensors against the truth: megatron.training's `generate_state_dict` (looked up at
+  call time by save_checkpoint and load_checkpoint, for torch_dist and fsdp_dtensor, sync and
+  async saves alike) is where the model and its sharded state dict meet. Each rank judges its
+  own ShardedTensors/DTensors against the parameters behind them (megatron_patches.param_shapes:
+  local shape, partition dim, the size of the group that partitions it), the ranks agree on the
+  union of problems and every rank refuses before a byte is written. No flag name enters.
+* tiling: on the metadata megatron has already all-gathered for its own check (or, where it
+  skips that gather, on our own), every rank checks that main replicas cover each tensor once,
+  so every rank raises the same error instead of rank 0 alone.
 
-The model config comes from the `args` megatron puts in every checkpoint's common state, else
-from megatron's global args.
+Load guard ("checkpoint-load-guard"): before megatron reads anything it compares the
+checkpoint's `.metadata` with the state dict of the model being loaded into and with the args
+saved in the checkpoint (`dist_checkpointing.load` for torch_dist; megatron.training's
+`preprocess_fsdp_dtensor_state_dict` inside `_load_base_checkpoint` for fsdp_dtensor), then all
+ranks agree. Tensors megatron itself allows to differ in shape (`allow_shape_mismatch`: the
+TP-dependent vocabulary padding of embeddings, output layer, MTP) are only checked for tiling.
+A difference the parallel layout explains (dp_reshardable optimizer buckets) is refused as a
+layout change, not as #1836.
+
+Core-only callers (no megatron.training, e.g. megatron-core 0.15 with Megatron-FSDP) call
+`refuse_wrong_model_shapes(state_dict, model_chunks)` where they build their state dict.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import math
+import os
+import re
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint
+from torch.distributed.tensor import DTensor
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization, state_dict_utils
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import (
-    ShardedTensor,
-    ShardedTensorFactory,
-    is_main_replica,
-)
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.validation import determine_global_metadata
 
-from megatron_patches import registry
-from megatron_patches.checkpoint_audit import (
-    ModelDims,
-    TensorFinding,
+from megatron_patches import collectives, registry
+from megatron_patches.checkpoint_geometry import coverage, describe_chunks
+from megatron_patches.checkpoint_metadata import (
+    TRACKER_FILE,
+    SavedTensor,
     UnreadableCheckpoint,
-    expected_shape,
-    judge_tensor,
     read_checkpoint_metadata,
+)
+from megatron_patches.config_shape_rules import ModelDims, expected_shape, shape_matches
+from megatron_patches.param_shapes import (
+    Judgement,
+    ModelParams,
+    judge_dtensor_state_dict,
+    judge_sharded_state_dict,
+    sharded_tensors,
 )
 
 UPSTREAM = "NVIDIA/Megatron-LM#1836"
 VERSIONS = ">=0.15,<0.20"
 _MARK = "_megatron_patches_checkpoint_guard"
+_LISTED = 8  # problems shown per refusal
+
 
 class IncompleteCheckpointError(CheckpointingException):
     """A save or load was refused because the checkpoint layout is incomplete or wrong."""
 
 
-def _model_dims(common_state_dict: Any = None) -> ModelDims | None:
-    if isinstance(common_state_dict, dict) and common_state_dict.get("args") is not None:
-        return ModelDims.from_args(common_state_dict["args"])
-    from megatron.training import global_vars  # only when running under megatron.training
+def _listing(lines: list[str]) -> str:
+    more = f"\n  ... and {len(lines) - _LISTED} more" if len(lines) > _LISTED else ""
+    return "\n  " + "\n  ".join(lines[:_LISTED]) + more
 
-    args = global_vars._GLOBAL_ARGS
-    return ModelDims.from_args(args) if args is not None and hasattr(args, "hidden_size") else None
+
+def _megatron_training_checkpointing():
+    """megatron.training.checkpointing, None where megatron.training is not installed."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError:
+        return None
+    return checkpointing
 
 
 # ---------------------------------------------------------------------------------------------
-# Save guard
+# The model's tensors against its parameters (save and load, torch_dist and fsdp_dtensor)
+# ---------------------------------------------------------------------------------------------
+
+_said_unjudged = False
+
+
+def _say_unjudged_once(keys: list[str]) -> None:
+    global _said_unjudged
+    if keys and not _said_unjudged and collectives.rank() == 0:
+        _said_unjudged = True
+        print(f"[megatron_patches] checkpoint-completeness-guard: {len(keys)} tensor(s) map onto "
+              f"no parameter axis by axis (e.g. {keys[0]}); their global shapes pass unjudged",
+              flush=True)
+
+
+def judge_model_state_dict(state_dict: dict, model_chunks: Any) -> Judgement:
+    """This rank's verdict on the model entries (`model`, `model0`, ...) of a megatron state dict."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    params = ModelParams(chunks)
+    verdict = Judgement()
+    for key, part in state_dict.items():
+        if not (isinstance(key, str) and key.startswith("model") and isinstance(part, dict)):
+            continue
+        if any(isinstance(v, DTensor) for v in part.values()):
+            one = judge_dtensor_state_dict(part, params)
+        else:
+            one = judge_sharded_state_dict(part, params)
+        verdict.problems += one.problems
+        verdict.unjudged += one.unjudged
+        verdict.judged += one.judged
+    return verdict
+
+
+def refuse_wrong_model_shapes(state_dict: dict, model_chunks: Any, group=None) -> None:
+    """Raises on every rank of `group` if any rank's model tensors declare a global shape their
+    parameters contradict. Collective: every rank of `group` must call it."""
+    verdict = judge_model_state_dict(state_dict, model_chunks)
+    problems = collectives.union(verdict.problems, group)
+    _say_unjudged_once(sorted(set(verdict.unjudged)))
+    if problems:
+        raise IncompleteCheckpointError(
+            f"[megatron_patches] refusing to checkpoint this model: {len(problems)} tensor(s) "
+            f"declare a global shape their parameters contradict, so a save would write (and a "
+            f"load would fill) only part of them ({UPSTREAM}; 1/ETP expert shapes are its "
+            f"signature).{_listing(problems)}")
+
+
+def _guard_generate_state_dict(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate_state_dict(*args, **kwargs):
+        state_dict = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        # These formats build the state dict on every rank (the legacy `torch` format does not).
+        if getattr(bound.arguments["args"], "ckpt_format", None) in ("torch_dist", "fsdp_dtensor"):
+            refuse_wrong_model_shapes(state_dict, bound.arguments["model"])
+        return state_dict
+
+    setattr(generate_state_dict, _MARK, True)
+    return generate_state_dict
+
+
+# ---------------------------------------------------------------------------------------------
+# Save guard: tiling of the all-gathered metadata
 # ---------------------------------------------------------------------------------------------
 
 
-def layout_findings(global_metadata: list[list[Any]], dims: ModelDims | None) -> list[TensorFinding]:
-    """Judges the main-replica layout of every ShardedTensor key across all ranks' metadata."""
+def tiling_problems(global_metadata: list[list[Any]]) -> list[str]:
+    """Tensors whose main replicas, over all ranks' metadata, do not tile the declared shape once."""
     by_key: dict[str, list[ShardedTensor]] = defaultdict(list)
     for rank_metadata in global_metadata:
         for sharding in rank_metadata:
             if isinstance(sharding, ShardedTensor):
                 by_key[sharding.key].append(sharding)
-    findings = []
-    for key, shardings in by_key.items():
-        first = shardings[0]
-        findings.append(judge_tensor(key, first.global_shape, first.dtype.itemsize,
-                                     _main_replica_boxes(shardings), dims))
-    return sorted(findings, key=lambda t: (not t.expert, t.key))
+    problems = []
+    for key, shardings in sorted(by_key.items()):
+        boxes = _main_replica_boxes(shardings)
+        cov = coverage(shardings[0].global_shape, boxes)
+        if not cov.exact:
+            problems.append(f"{key}: {_coverage_problem(cov)}; global shape "
+                            f"{list(shardings[0].global_shape)}; main replicas: "
+                            f"{describe_chunks(boxes)}")
+    return problems
+
+
+def _coverage_problem(cov) -> str:
+    parts = []
+    if cov.missing_fraction:
+        parts.append(f"{cov.missing_fraction:.1%} of the global tensor has no chunk")
+    if cov.overlapping:
+        parts.append("chunks overlap")
+    if cov.out_of_bounds:
+        parts.append("a chunk lies outside the global shape")
+    return "; ".join(parts)
 
 
 def _main_replica_boxes(shardings: list[ShardedTensor]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -108,32 +208,19 @@ def _main_replica_boxes(shardings: list[ShardedTensor]) -> list[tuple[tuple[int,
     return boxes
 
 
-def describe_refusal(findings: list[TensorFinding], what: str) -> str:
-    bad = [t for t in findings if not t.ok]
-    lines = [f"[megatron_patches] refusing to {what}: {len(bad)} tensor(s) would be incomplete "
-             f"({UPSTREAM})"]
-    for t in bad[:8]:
-        missing = t.missing_fraction
-        if t.shape_ok is False and t.expected_bytes:
-            missing = max(missing, 1 - t.saved_bytes / t.expected_bytes)
-        lines.append(f"  {t.key}: {t.problem()}; main replicas: {t.layout}; "
-                     f"missing fraction {missing:.1%}")
-    if len(bad) > 8:
-        lines.append(f"  ... and {len(bad) - 8} more")
-    return "\n".join(lines)
-
-
-def enforce_complete_layout(global_metadata: list[list[Any]], common_state_dict: Any = None) -> None:
-    """Raises on every rank (each holds the same all-gathered metadata) if the layout is wrong."""
-    findings = layout_findings(global_metadata, _model_dims(common_state_dict))
-    if any(not t.ok for t in findings):
-        raise IncompleteCheckpointError(describe_refusal(findings, "save the checkpoint"))
+def enforce_complete_layout(global_metadata: list[list[Any]]) -> None:
+    """Raises on every rank (each holds the same all-gathered metadata) if the tiling is wrong."""
+    problems = tiling_problems(global_metadata)
+    if problems:
+        raise IncompleteCheckpointError(
+            f"[megatron_patches] refusing to save the checkpoint: {len(problems)} tensor(s) "
+            f"would be incomplete ({UPSTREAM}){_listing(problems)}")
 
 
 def _guard_validate(original: Callable) -> Callable:
     @functools.wraps(original)
     def validate_sharding_integrity(global_metadata, common_state_dict=None):
-        enforce_complete_layout(global_metadata, common_state_dict)
+        enforce_complete_layout(global_metadata)
         return original(global_metadata, common_state_dict)
 
     setattr(validate_sharding_integrity, _MARK, True)
@@ -147,78 +234,31 @@ def _guard_save_preprocess(original: Callable) -> Callable:
             sharded_state_dict, validate_access_integrity, *args, **kwargs)
         if not validate_access_integrity:
             # Megatron skipped its gather (e.g. --ckpt-assume-constant-structure): do our own.
-            enforce_complete_layout(determine_global_metadata(sharded_part)[1], common_state_dict)
+            enforce_complete_layout(determine_global_metadata(sharded_part)[1])
         return sharded_part, common_state_dict
 
     setattr(save_preprocess, _MARK, True)
     return save_preprocess
 
 
+def _wrap(module: Any, name: str, guard: Callable[[Callable], Callable]) -> None:
+    if not hasattr(getattr(module, name), _MARK):
+        setattr(module, name, guard(getattr(module, name)))
+
+
 def apply_save_guard() -> None:
     # save_preprocess looks validate_sharding_integrity up in state_dict_utils; the fully
     # parallel strategy imported its own reference.
     for module in (state_dict_utils, fully_parallel):
-        if not hasattr(module.validate_sharding_integrity, _MARK):
-            module.validate_sharding_integrity = _guard_validate(module.validate_sharding_integrity)
-    if not hasattr(serialization.save_preprocess, _MARK):
-        serialization.save_preprocess = _guard_save_preprocess(serialization.save_preprocess)
-    # fsdp_dtensor: megatron.training calls torch.distributed.checkpoint.save on DTensors.
-    if not hasattr(torch.distributed.checkpoint.save, _MARK):
-        torch.distributed.checkpoint.save = _guard_dcp_save(torch.distributed.checkpoint.save)
-
-
-def dtensor_findings(state_dict: dict, dims: ModelDims | None) -> list[TensorFinding]:
-    """Config-implied shape verdicts for an fsdp_dtensor state dict (keys as DCP flattens them).
-
-    A DTensor's shape is its global shape and its placements cover it by construction, so only
-    the shape can be wrong: under #1836 expert DTensors sat Replicate on a mesh without the
-    ETP dim, their global shape 1/ETP of the truth.
-    """
-    if dims is None:
-        return []
-    findings = []
-    for key, value in _flatten(state_dict):
-        if isinstance(value, torch.Tensor) and expected_shape(key, value.shape, dims) is not None:
-            shape = tuple(value.shape)
-            findings.append(judge_tensor(key, shape, value.element_size(),
-                                         [((0,) * len(shape), shape)], dims))
-    return sorted(findings, key=lambda t: (not t.expert, t.key))
-
-
-def _flatten(tree: Any, prefix: str = ""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flatten(v, f"{prefix}{k}.")
-    else:
-        yield prefix[:-1], tree
-
-
-def _guard_dcp_save(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def save(state_dict, *args, **kwargs):
-        dims = _model_dims(state_dict)
-        bad = [t for t in dtensor_findings(state_dict, dims) if not t.ok]
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # Every rank must refuse, or the others wait in DCP's collectives forever.
-            counts: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(counts, len(bad))
-            refuse = any(counts)
-        else:
-            refuse = bool(bad)
-        if refuse:
-            raise IncompleteCheckpointError(describe_refusal(bad, "save the checkpoint") if bad
-                                            else "[megatron_patches] refusing to save the "
-                                            "checkpoint: another rank found tensors with wrong "
-                                            f"global shapes ({UPSTREAM})")
-        return original(state_dict, *args, **kwargs)
-
-    setattr(save, _MARK, True)
-    return save
+        _wrap(module, "validate_sharding_integrity", _guard_validate)
+    _wrap(serialization, "save_preprocess", _guard_save_preprocess)
+    if (checkpointing := _megatron_training_checkpointing()) is not None:
+        _wrap(checkpointing, "generate_state_dict", _guard_generate_state_dict)
 
 
 def _save_guard_not_needed(context: registry.PatchContext) -> str | None:
     # Needed on every targeted version: even where megatron writes correct layouts, its own
-    # check ignores the config and raises on rank 0 only.
+    # check never compares the declared shapes with the model and raises on rank 0 only.
     return None
 
 
@@ -226,7 +266,8 @@ SAVE_GUARD = registry.register(registry.Patch(
     name="checkpoint-completeness-guard",
     upstream=UPSTREAM,
     versions=VERSIONS,
-    summary="every rank checks main replicas tile the config-implied global shape before saving",
+    summary="every rank checks each tensor's global shape against its parameter and that main "
+            "replicas tile it, before saving",
     not_needed_because=_save_guard_not_needed,
     apply=apply_save_guard,
 ))
@@ -236,84 +277,217 @@ SAVE_GUARD = registry.register(registry.Patch(
 # Load guard
 # ---------------------------------------------------------------------------------------------
 
-
-def _local_sharded_tensors(sharded_state_dict: Any) -> list[ShardedTensor]:
-    tensors = []
-    for value in nested_values(sharded_state_dict):
-        if isinstance(value, ShardedTensorFactory):
-            tensors.extend(v for v in nested_values(value.build()) if isinstance(v, ShardedTensor))
-        elif isinstance(value, ShardedTensor):
-            tensors.append(value)
-    return tensors
+# Problem kinds, most serious first: the refusal is worded after the first kind present.
+DAMAGE, MISMATCH, LAYOUT = "damage", "mismatch", "layout"
+_LAYOUT_BOUND = re.compile(r"(^|\.)optimizer\.distributed\..*bucket_idx_")
+_LAYOUT_NAMES = ("TP", "PP", "EP", "ETP", "CP", "DP")
 
 
-def load_problems(sharded_state_dict: Any, checkpoint_dir: str, dims: ModelDims | None) -> list[str]:
-    """What is wrong with loading `checkpoint_dir` into this rank's `sharded_state_dict`."""
+def _saved_layout(args: Any) -> dict[str, int] | None:
+    if args is None:
+        return None
+    fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+              "expert_model_parallel_size", "expert_tensor_parallel_size",
+              "context_parallel_size", "data_parallel_size")
+    get = args.get if isinstance(args, dict) else functools.partial(getattr, args)
+    layout = {name: get(field, None) for name, field in zip(_LAYOUT_NAMES, fields)}
+    if layout["ETP"] is None:
+        layout["ETP"] = layout["TP"]
+    return layout
+
+
+def _current_layout() -> dict[str, int] | None:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+             ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+             ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size())
+    return dict(zip(_LAYOUT_NAMES, sizes))
+
+
+def _describe_layout(layout: dict[str, int] | None) -> str:
+    if not layout:
+        return "unknown"
+    return " ".join(f"{k}={v}" for k, v in layout.items() if v is not None)
+
+
+def _explained_by_layout(saved_shape, model_shape, saved, current) -> bool:
+    """The shapes differ on one axis by a ratio of the saved to the current size of a group."""
+    if not saved or not current or saved == current or len(saved_shape) != len(model_shape):
+        return False
+    axes = [(s, m) for s, m in zip(saved_shape, model_shape) if s != m]
+    if len(axes) != 1:
+        return False
+    s, m = axes[0]
+    return any(saved.get(k) and current.get(k) and s * current[k] == m * saved[k]
+               for k in _LAYOUT_NAMES)
+
+
+def _judge_saved(key: str, model_shape, allow_shape_mismatch: bool, saved: SavedTensor,
+                 dims: ModelDims | None, layouts: tuple) -> tuple[str, str] | None:
+    """(kind, problem) for loading the checkpoint's `saved` tensor into a model tensor."""
+    expected = expected_shape(key, saved.global_shape, dims) if dims else None
+    contradicts_args = expected is not None and not shape_matches(saved.global_shape, expected)
+    args_imply = (f"the args saved with it imply {['*' if e is None else e for e in expected]}"
+                  if contradicts_args else "")
+    if saved.global_shape != tuple(model_shape) and not allow_shape_mismatch:
+        text = (f"{key}: checkpoint global shape {list(saved.global_shape)}, model expects "
+                f"{list(model_shape)}")
+        if contradicts_args:
+            return DAMAGE, f"{text} ({args_imply})"
+        if _LAYOUT_BOUND.search(key) or _explained_by_layout(saved.global_shape, model_shape,
+                                                             *layouts):
+            return LAYOUT, text
+        return MISMATCH, text
+    if contradicts_args:
+        return DAMAGE, f"{key}: checkpoint global shape {list(saved.global_shape)} but {args_imply}"
+    cov = coverage(saved.global_shape, saved.chunks)
+    if not cov.exact:
+        return DAMAGE, f"{key}: {_coverage_problem(cov)} in the checkpoint"
+    return None
+
+
+def _checkpoint_for_load(checkpoint_dir: str):
+    """(tensors, dims, (saved layout, current layout)) or the reason it cannot be read."""
+    meta = read_checkpoint_metadata(str(checkpoint_dir), with_args=True)
+    dims = ModelDims.from_args(meta.args) if meta.args is not None else None
+    return meta.tensors, dims, (_saved_layout(meta.args), _current_layout())
+
+
+def load_problems(sharded_state_dict: Any, checkpoint_dir: str) -> list[tuple[str, str]]:
+    """(kind, problem) for loading torch_dist `checkpoint_dir` into this rank's state dict."""
     try:
-        saved = read_checkpoint_metadata(str(checkpoint_dir), with_args=False).tensors
+        saved, dims, layouts = _checkpoint_for_load(checkpoint_dir)
     except UnreadableCheckpoint as e:
-        return [str(e)]
-    problems = []
-    for sh in _local_sharded_tensors(sharded_state_dict):
-        ckpt = saved.get(sh.key)
-        if ckpt is None:
-            continue  # missing keys are megatron's strict-loading business
-        if ckpt.global_shape != tuple(sh.global_shape):
-            problems.append(f"{sh.key}: checkpoint global shape {list(ckpt.global_shape)}, "
-                            f"model expects {list(sh.global_shape)}")
-            continue
-        finding = judge_tensor(ckpt.key, ckpt.global_shape, ckpt.itemsize, ckpt.chunks, dims)
-        if not finding.ok:
-            problems.append(f"{sh.key}: {finding.problem()}")
-    return sorted(set(problems))
+        return [(DAMAGE, str(e))]
+    problems = set()
+    for sh in sharded_tensors(sharded_state_dict):
+        if sh.key in saved:  # missing keys are megatron's strict-loading business
+            found = _judge_saved(sh.key, sh.global_shape, sh.allow_shape_mismatch, saved[sh.key],
+                                 dims, layouts)
+            if found:
+                problems.add(found)
+    return sorted(problems)
 
 
-def _is_layout_bound_optimizer_state(problem: str) -> bool:
-    # The distributed optimizer's default (dp_reshardable) format stores flat per-bucket state
-    # whose sizes depend on the parallel layout it was saved with.
-    return ".optimizer.distributed." in problem and ".bucket_idx_" in problem
+def fsdp_dtensor_load_problems(state_dict: dict, checkpoint_dir: str) -> list[tuple[str, str]]:
+    """The same for an fsdp_dtensor load: DTensors keyed the way DCP flattens them."""
+    try:
+        saved, dims, layouts = _checkpoint_for_load(checkpoint_dir)
+    except UnreadableCheckpoint as e:
+        return [(DAMAGE, str(e))]
+    problems = set()
+    for part in ("model", "optimizer"):
+        for key, value in _flatten(state_dict.get(part, {}), f"{part}."):
+            if isinstance(value, torch.Tensor) and key in saved:
+                found = _judge_saved(key, tuple(value.shape), False, saved[key], dims, layouts)
+                if found:
+                    problems.add(found)
+    return sorted(problems)
 
 
-def _load_refusal(checkpoint_dir: Any, problems: list[str]) -> str:
-    def listing(lines: list[str]) -> str:
-        more = f"\n  ... and {len(lines) - 8} more" if len(lines) > 8 else ""
-        return "\n  " + "\n  ".join(lines[:8]) + more
+def _flatten(tree: Any, prefix: str):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    else:
+        yield prefix[:-1], tree
 
-    model = [p for p in problems if not _is_layout_bound_optimizer_state(p)]
-    if model:
+
+def _load_refusal(checkpoint_dir: Any, problems: list[tuple[str, str]], layouts: tuple) -> str:
+    kinds = {kind for kind, _ in problems}
+    lines = [text for _, text in problems]
+    if kinds & {DAMAGE, MISMATCH}:
         return (f"[megatron_patches] refusing to load {checkpoint_dir}: it does not hold this "
                 f"model's tensors ({UPSTREAM}; an ETP>1 checkpoint written with 1/ETP expert "
                 f"shapes looks like this). Audit it with `python -m "
-                f"megatron_patches.checkpoint_audit {checkpoint_dir}`.{listing(model)}")
-    return (f"[megatron_patches] refusing to load {checkpoint_dir}: its distributed-optimizer "
-            f"state was saved for another parallel layout (dp_reshardable buckets). Fix: resume "
-            f"with the layout it was saved with, save with --dist-ckpt-optim-fully-reshardable "
-            f"to change layouts, or load the weights only with --no-load-optim."
-            f"{listing(problems)}")
+                f"megatron_patches.checkpoint_audit {checkpoint_dir}`.{_listing(lines)}")
+    saved, current = layouts
+    return (f"[megatron_patches] refusing to load {checkpoint_dir}: it was saved with another "
+            f"parallel layout ({_describe_layout(saved)}; this run {_describe_layout(current)}) "
+            f"and these tensors only load into the layout they were saved with (the distributed "
+            f"optimizer's default dp_reshardable state is bound to it). Fix: resume with the "
+            f"saved layout, or load the weights only with --no-load-optim.{_listing(lines)}")
+
+
+def _refuse_if_any(checkpoint_dir: str, problems: list[tuple[str, str]]) -> None:
+    """Every rank stops, also those whose own tensors happen to be fine."""
+    everyone = collectives.union([f"{kind}\t{text}" for kind, text in problems])
+    if everyone:
+        layouts = (None, _current_layout())
+        try:
+            layouts = _checkpoint_for_load(checkpoint_dir)[2]
+        except UnreadableCheckpoint:
+            pass
+        raise IncompleteCheckpointError(_load_refusal(
+            checkpoint_dir, [tuple(p.split("\t", 1)) for p in everyone], layouts))
 
 
 def _guard_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        problems = load_problems(sharded_state_dict, checkpoint_dir, _model_dims())
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # Every rank must stop, also those whose own tensors happen to be fine.
-            everyone: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(everyone, problems)
-            problems = sorted({p for rank_problems in everyone for p in rank_problems})
-        if problems:
-            raise IncompleteCheckpointError(_load_refusal(checkpoint_dir, problems))
+        _refuse_if_any(checkpoint_dir, load_problems(sharded_state_dict, checkpoint_dir))
         return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     setattr(load, _MARK, True)
     return load
 
 
+# fsdp_dtensor loads: the directory `_load_base_checkpoint` is loading from, while it runs.
+_FSDP_LOAD = contextvars.ContextVar("megatron_patches_fsdp_dtensor_load", default=None)
+
+
+def _fsdp_dtensor_checkpoint_dir(load_dir: str) -> str:
+    """The iteration directory megatron's `_load_base_checkpoint` resolves for fsdp_dtensor."""
+    checkpointing = _megatron_training_checkpointing()
+    with open(os.path.join(load_dir, TRACKER_FILE)) as f:
+        release = f.read().strip() == "release"
+    return checkpointing.get_checkpoint_name(
+        load_dir, checkpointing.get_loaded_iteration(), release, return_base_dir=True)
+
+
+def _guard_load_base_checkpoint(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _load_base_checkpoint(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        loading = None if bound.arguments["rank0"] else bound.arguments["load_dir"]
+        token = _FSDP_LOAD.set(loading)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _FSDP_LOAD.reset(token)
+
+    setattr(_load_base_checkpoint, _MARK, True)
+    return _load_base_checkpoint
+
+
+def _guard_preprocess_fsdp_dtensor(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
+        state_dict = original(args, raw_state_dict, model)
+        loading = _FSDP_LOAD.get()
+        if loading is not None:  # a load, not a save: compare with what is on disk
+            checkpoint_dir = _fsdp_dtensor_checkpoint_dir(loading)
+            _refuse_if_any(checkpoint_dir, fsdp_dtensor_load_problems(state_dict, checkpoint_dir))
+        return state_dict
+
+    setattr(preprocess_fsdp_dtensor_state_dict, _MARK, True)
+    return preprocess_fsdp_dtensor_state_dict
+
+
 def apply_load_guard() -> None:
     # megatron.training.checkpointing calls `dist_checkpointing.load`, looked up at call time.
     for module in (serialization, dist_checkpointing):
-        if not hasattr(module.load, _MARK):
-            module.load = _guard_load(module.load)
+        _wrap(module, "load", _guard_load)
+    checkpointing = _megatron_training_checkpointing()
+    if checkpointing is not None and hasattr(checkpointing, "preprocess_fsdp_dtensor_state_dict"):
+        _wrap(checkpointing, "_load_base_checkpoint", _guard_load_base_checkpoint)
+        _wrap(checkpointing, "preprocess_fsdp_dtensor_state_dict", _guard_preprocess_fsdp_dtensor)
 
 
 LOAD_GUARD = registry.register(registry.Patch(

@@ -93,11 +93,13 @@ def main(ckpt_dir: str, out_json: str) -> None:
         hidden_size=16, num_attention_heads=2, num_experts=4, moe_ffn_hidden_size=32,
         ffn_hidden_size=64, swiglu=False, expert_tensor_parallel_size=ETP, padded_vocab_size=64)
     if os.environ.get("SAVE_GUARD"):
-        # The completeness guard checks the DTensors' global shapes before anything is written.
+        # The completeness guard checks the DTensors' global shapes against the parameters
+        # before anything is written. megatron-core 0.15 has no megatron.training save call
+        # site to hook, so this core-only save calls the guard where it builds its state dict.
         from megatron_patches import checkpoint_guard
 
-        checkpoint_guard.apply_save_guard()
         try:
+            checkpoint_guard.refuse_wrong_model_shapes({"model": saved}, [saved_model])
             dcp.save({"model": saved, "args": args}, checkpoint_id=ckpt_dir)
         except checkpoint_guard.IncompleteCheckpointError as refusal:
             with open(f"{out_json}.rank{rank}", "w") as out:
