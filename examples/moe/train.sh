@@ -209,9 +209,12 @@ else
 fi
 # Every rank connects to MASTER_ADDR; a name that does not resolve would wait there until the
 # rendezvous times out.
-getent ahosts "$MASTER_ADDR" >/dev/null ||
+if ! command -v getent >/dev/null; then
+  echo "[train.sh] no getent on $(hostname): MASTER_ADDR=$MASTER_ADDR is used unchecked"
+elif ! getent ahosts "$MASTER_ADDR" >/dev/null; then
   die "MASTER_ADDR=$MASTER_ADDR ($addr_origin) does not resolve on $(hostname); fix: set" \
       "MASTER_ADDR to an address of $first_node that every node of the job can reach"
+fi
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export MASTER_ADDR MASTER_PORT
 exit_if_finished
