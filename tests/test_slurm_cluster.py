@@ -30,7 +30,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SH = "examples/moe/train.sh"
 PACKAGES = "slurmctld slurmd slurm-client munge"
-PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo",
+            "squeue", "scancel")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.E+-]+)")
 
 pytestmark = pytest.mark.slow
@@ -214,9 +215,13 @@ def saved_iteration(ckpt: Path) -> int:
 @pytest.fixture(scope="module")
 def cluster():
     missing = [p for p in PROGRAMS if program(p) is None]
+    message = None
     if missing:
         message = (f"Slurm is not installed ({', '.join(missing)} missing); install it with "
                    f"`apt-get install -y {PACKAGES}` (.ci/run does this in CI)")
+    elif os.geteuid() != 0:
+        message = "the test cluster runs its daemons as root (SlurmUser=root); run as root"
+    if message:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
@@ -330,7 +335,8 @@ def test_time_limit_saves_first_and_the_requeued_job_continues(cluster):
     # sends USR1 up to 30 s before --signal's 90 s: 90-120 s before the limit.
     hours, minutes, _ = map(int, job.state()["RunTime"].split(":"))
     minutes += 60 * hours + 3
-    assert cluster.run("scontrol", "update", f"jobid={job.id}", f"timelimit={minutes}").returncode == 0
+    update = cluster.run("scontrol", "update", f"jobid={job.id}", f"timelimit={minutes}")
+    assert update.returncode == 0, update.stderr
     job.wait_log(r"^\[train\.sh\] requeueing job", timeout=300)
     first = attempts(job.log)[0]
     assert "[train.sh] time limit ahead (USR1)" in first

@@ -181,7 +181,10 @@ if [[ "$DRY_RUN" == 1 ]]; then
   fi
   echo "[train.sh] recipe $RECIPE: dry run for $WORLD ranks ($size)"
   echo "[train.sh] command: $(show "$PYTHON" pretrain_moe.py "${ARGS[@]}")"
-  [[ -n "${SLURM_JOB_ID:-}" ]] || echo "[train.sh] submit with: $SUBMIT (add --gpus-per-node=$GPUS_PER_NODE where the ranks use GPUs, and your cluster's --account/--partition if it needs them)"
+  if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+    echo "[train.sh] submit with: $SUBMIT (add --gpus-per-node=$GPUS_PER_NODE where the ranks" \
+         "use GPUs, and your cluster's --account/--partition if it needs them)"
+  fi
   exec "$PYTHON" examples/moe/plan.py --world-size "$WORLD" ${VOCAB_SIZE:+--vocab-size-hint "$VOCAB_SIZE"} -- "${ARGS[@]}"
 fi
 [[ -f pretrain_moe.py ]] || die "pretrain_moe.py not found in $ROOT"
@@ -241,20 +244,28 @@ echo "[train.sh] command: $(show "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARG
 REQUEUE=0
 # shellcheck disable=SC2317  # called by the USR1 trap
 on_time_limit() {
-  echo "[train.sh] time limit ahead (USR1): every rank saves a checkpoint and stops; then the job requeues itself"
+  echo "[train.sh] time limit ahead (USR1): every rank saves a checkpoint and stops;" \
+       "then the job requeues itself"
   REQUEUE=1
   scancel --signal=TERM "$SLURM_JOB_ID"  # all job steps, not this batch shell
 }
 trap on_time_limit USR1
-trap 'echo "[train.sh] SIGTERM (scancel, requeue or time limit): every rank saves a checkpoint after its current iteration"' TERM
+# shellcheck disable=SC2317  # called by the TERM trap
+on_term() {
+  echo "[train.sh] SIGTERM (scancel, requeue or time limit): every rank saves a checkpoint" \
+       "after its current iteration"
+}
+trap on_term TERM
 "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done
 status=0
 wait "$srun_pid" || status=$?
 if (( REQUEUE )) && ! run_finished; then
-  echo "[train.sh] requeueing job $SLURM_JOB_ID (ranks exited $status): the next attempt resumes from $(flag_value --load)"
-  scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it resumes from $(flag_value --load)"
+  echo "[train.sh] requeueing job $SLURM_JOB_ID (ranks exited $status): the next attempt" \
+       "resumes from $(flag_value --load)"
+  scontrol requeue "$SLURM_JOB_ID" ||
+    die "scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it resumes from $(flag_value --load)"
   exit 0
 fi
 exit "$status"
