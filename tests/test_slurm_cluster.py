@@ -47,6 +47,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def running(pid: int) -> bool:
+    """A live process (not a zombie: the daemons' parent may not reap them)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def wait_for(what: str, ready, timeout: float, poll: float = 1.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -130,12 +138,17 @@ PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State
                 wait_for("jobs to end", lambda: not self.run("squeue", "-h").stdout.strip(), 90)
             except AssertionError:
                 pass
-        for pid_file in reversed(self.pid_files):
-            if pid_file.exists():
-                try:
-                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
-                except (ProcessLookupError, ValueError):
-                    pass
+        pids = [int(f.read_text().split()[0]) for f in reversed(self.pid_files) if f.exists()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        # slurmctld writes its state as it stops: wait, so that the folder can then be removed.
+        try:
+            wait_for("the daemons to stop", lambda: not any(map(running, pids)), 30, poll=0.2)
+        except AssertionError:
+            pass
 
     # -- use -----------------------------------------------------------------------------
     def env(self, **extra: str) -> dict[str, str]:
