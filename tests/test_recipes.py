@@ -187,7 +187,21 @@ def test_train_sh_dry_run_end_to_end():
 
 def test_multi_node_recipe_refuses_to_start_outside_slurm():
     out = train_sh(RECIPE="mixtral_8x7b_fsdp")
-    assert out.returncode == 2 and "sbatch --nodes=4" in out.stderr
+    assert out.returncode == 2
+    assert "sbatch --nodes=4 --ntasks-per-node=8 examples/moe/train.sh" in out.stderr
+
+
+def test_a_finished_run_says_so_and_how_to_train_further(tmp_path):
+    """megatron would load the checkpoint and exit 0 without a word; train.sh says why, starts
+    nothing, and names the flags that train further (tests/test_slurm_cluster.py: in a job)."""
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    out = train_sh(CKPT_DIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert f"nothing to train: {tmp_path} holds iteration 20 and --train-iters is 20" in out.stdout
+    assert "TRAIN_ITERS" in out.stdout and "--override-opt_param-scheduler" in out.stdout
+    assert "[train.sh] command:" not in out.stdout
+    resumed = train_sh("--print-args", CKPT_DIR=str(tmp_path), TRAIN_ITERS="30")
+    assert "--exit-signal-handler" in resumed.stdout.split("\0")
 
 
 # ------------------------------------------------------------------------------------------

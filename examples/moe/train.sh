@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # MoE GPT pretraining launcher: one script for Slurm clusters and for a local CPU smoke run.
 #
-#   RECIPE=mixtral_8x7b_pp sbatch --nodes=4 examples/moe/train.sh   # cluster (srun, 8 GPUs/node)
 #   bash examples/moe/train.sh                                        # local: torchrun, tiny_cpu
+#   sbatch --ntasks-per-node=4 examples/moe/train.sh                  # tiny_cpu on a Slurm cluster
+#   RECIPE=mixtral_8x7b_pp sbatch --nodes=4 --gpus-per-node=8 examples/moe/train.sh   # 4 x 8 GPUs
 #   bash examples/moe/train.sh --list                                 # recipe names
 #   DRY_RUN=1 RECIPE=qwen3_30b_a3b_fsdp bash examples/moe/train.sh    # check layout, no training
 #
@@ -10,21 +11,27 @@
 # unset -> mock data), TOKENIZER_MODEL, CKPT_DIR (default runs/$RECIPE/ckpt), WANDB_PROJECT,
 # WANDB_EXP_NAME, EXTRA_ARGS (extra megatron flags, appended last, so they override the recipe),
 # NPROC (local ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if
-# present, else python), NODES / GPUS_PER_NODE (override the recipe's, e.g. to dry-run another
-# size), LOG_INTERVAL (default 1), DRY_RUN=1, CONTAINER_IMAGE (pyxis/enroot image for srun),
-# CONTAINER_MOUNTS (extra src:dst[,...] mounts), MASTER_PORT. A recipe's RUN_ENV (e.g.
-# CUDA_DEVICE_MAX_CONNECTIONS=1 for TP without FSDP) is exported for every rank unless the
-# variable is already set. Arguments other than --list, --dry-run and --help are passed to
-# pretrain_moe.py after everything else.
+# present, else python), NODES / GPUS_PER_NODE (override the recipe's size), LOG_INTERVAL
+# (default 1), DRY_RUN=1, CONTAINER_IMAGE (pyxis/enroot image for srun), CONTAINER_MOUNTS (extra
+# src:dst[,...] mounts), MASTER_ADDR (default the job's first node), MASTER_PORT. A recipe's
+# RUN_ENV (e.g. CUDA_DEVICE_MAX_CONNECTIONS=1 for TP without FSDP) is exported for every rank
+# unless the variable is already set. Arguments other than --list, --dry-run and --help are
+# passed to pretrain_moe.py after everything else.
+#
+# Under Slurm the job must have as many tasks as the recipe has ranks (NODES x GPUS_PER_NODE);
+# account, partition and GPUs are the cluster's: give them on the sbatch command line. SIGTERM
+# (scancel, scontrol requeue, the time limit) makes every rank save a checkpoint at the end of
+# its iteration; USR1, sent --signal's lead time before the time limit, does the same and then
+# requeues the job, which resumes from that checkpoint. A requeued job appends to its log.
 #
 #SBATCH --job-name=moe-pretrain
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
-#SBATCH --gpus-per-node=8
 #SBATCH --time=04:00:00
-#SBATCH --account=YOUR_ACCOUNT
-#SBATCH --partition=YOUR_PARTITION
 #SBATCH --exclusive
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR1@300
 set -euo pipefail
 
 die() { echo "train.sh: $*" >&2; exit 2; }
@@ -96,7 +103,8 @@ else
 fi
 
 CKPT_DIR=${CKPT_DIR:-runs/$RECIPE/ckpt}
-CKPT_ARGS=(--save "$CKPT_DIR" --load "$CKPT_DIR")
+# --exit-signal-handler: on SIGTERM every rank finishes its iteration, saves and exits 0.
+CKPT_ARGS=(--save "$CKPT_DIR" --load "$CKPT_DIR" --exit-signal-handler)
 LOG_ARGS=(--log-interval "${LOG_INTERVAL:-1}" --log-throughput)
 if [[ -n "${WANDB_PROJECT:-}" ]]; then
   LOG_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-$RECIPE-${SLURM_JOB_ID:-local}}")
@@ -116,6 +124,53 @@ fi
 
 show() { printf '%q ' "$@" | sed 's/ $//'; echo; }
 
+# The value megatron's parser will see for a flag: its last occurrence in ARGS.
+flag_value() {
+  local value="" i
+  for ((i = 0; i < ${#ARGS[@]}; i++)); do
+    case ${ARGS[i]} in
+      "$1") value=${ARGS[i + 1]:-} ;;
+      "$1="*) value=${ARGS[i]#*=} ;;
+    esac
+  done
+  echo "$value"
+}
+
+# True when --load holds a checkpoint at (or past) --train-iters: megatron would load it and
+# exit 0 without training.
+run_finished() {
+  local load iters tracker
+  load=$(flag_value --load)
+  iters=$(flag_value --train-iters)
+  tracker=$load/latest_checkpointed_iteration.txt
+  [[ -n $load && $iters =~ ^[0-9]+$ && -f $tracker ]] || return 1
+  SAVED_ITERATION=$(<"$tracker")
+  [[ $SAVED_ITERATION =~ ^[0-9]+$ ]] && (( SAVED_ITERATION >= iters ))
+}
+
+exit_if_finished() {
+  run_finished || return 0
+  echo "[train.sh] nothing to train: $(flag_value --load) holds iteration $SAVED_ITERATION and" \
+       "--train-iters is $(flag_value --train-iters), so this run is finished. To train further," \
+       "raise TRAIN_ITERS (or --train-iters in EXTRA_ARGS) and add --override-opt_param-scheduler" \
+       "to EXTRA_ARGS, so that megatron takes the learning-rate schedule from the new flags" \
+       "instead of refusing the checkpoint's; for a new run, set another CKPT_DIR."
+  exit 0
+}
+
+WORLD=$((NODES * GPUS_PER_NODE))
+SUBMIT="RECIPE=$RECIPE sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE examples/moe/train.sh"
+# The job must hold exactly the recipe's ranks: more would change the data-parallel size and
+# the layout; fewer cannot run it. srun without a task count starts one task per node.
+check_job_size() {
+  local tasks=${SLURM_NTASKS:-${SLURM_JOB_NUM_NODES:-1}}
+  (( tasks == WORLD )) && return 0
+  die "recipe $RECIPE runs $WORLD ranks ($NODES node(s) x $GPUS_PER_NODE), but job $SLURM_JOB_ID" \
+      "has $tasks task(s) on ${SLURM_JOB_NUM_NODES:-?} node(s); fix: submit it as '$SUBMIT'" \
+      "(with --gpus-per-node=$GPUS_PER_NODE where the ranks use GPUs), or set NODES and" \
+      "GPUS_PER_NODE to the job's size after checking that size with DRY_RUN=1"
+}
+
 if [[ "$DRY_RUN" == print ]]; then
   printf '%s\0' "${ARGS[@]}"
   exit 0
@@ -125,46 +180,105 @@ fi
 for pair in "${RUN_ENV[@]}"; do
   name=${pair%%=*}
   if [[ -z "${!name+set}" ]]; then
-    export "$pair"
+    export "${name}=${pair#*=}"
     echo "[train.sh] recipe $RECIPE: $pair"
   fi
 done
 
 if [[ "$DRY_RUN" == 1 ]]; then
-  world=${SLURM_NTASKS:-$((NODES * GPUS_PER_NODE))}
-  echo "[train.sh] recipe $RECIPE: dry run for $world ranks ($NODES node(s) x $GPUS_PER_NODE)"
+  if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    check_job_size
+    size="job $SLURM_JOB_ID: $SLURM_JOB_NUM_NODES node(s), tasks per node ${SLURM_TASKS_PER_NODE:-1}"
+  else
+    size="$NODES node(s) x $GPUS_PER_NODE"
+  fi
+  echo "[train.sh] recipe $RECIPE: dry run for $WORLD ranks ($size)"
   echo "[train.sh] command: $(show "$PYTHON" pretrain_moe.py "${ARGS[@]}")"
-  exec "$PYTHON" examples/moe/plan.py --world-size "$world" ${VOCAB_SIZE:+--vocab-size-hint "$VOCAB_SIZE"} -- "${ARGS[@]}"
+  if [[ -z "${SLURM_JOB_ID:-}" ]]; then
+    echo "[train.sh] submit with: $SUBMIT (add --gpus-per-node=$GPUS_PER_NODE where the ranks" \
+         "use GPUs, and your cluster's --account/--partition if it needs them)"
+  fi
+  exec "$PYTHON" examples/moe/plan.py --world-size "$WORLD" ${VOCAB_SIZE:+--vocab-size-hint "$VOCAB_SIZE"} -- "${ARGS[@]}"
 fi
+[[ -f pretrain_moe.py ]] || die "pretrain_moe.py not found in $ROOT"
 
-if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-  if [[ -n "${SLURM_JOB_NUM_NODES:-}" && "$SLURM_JOB_NUM_NODES" != "$NODES" ]]; then
-    echo "train.sh: WARNING: recipe $RECIPE assumes $NODES node(s), the job has $SLURM_JOB_NUM_NODES" >&2
-  fi
-  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-  MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
-  export MASTER_ADDR MASTER_PORT
-  SRUN=(srun --kill-on-bad-exit=1)
-  if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
-    # The checkout is mounted at the same path, so code, runs/ and relative paths match.
-    SRUN+=(--container-image="$CONTAINER_IMAGE" --container-workdir="$ROOT"
-           --container-mounts="$ROOT:$ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
-  fi
-  # One task per GPU; each sets its rank variables from Slurm's before starting Python.
-  # shellcheck disable=SC2016
-  LAUNCH=("${SRUN[@]}" bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec "$@"' rank)
-  PYTHON_CMD=("$PYTHON")
-  echo "[train.sh] recipe $RECIPE on $SLURM_JOB_NUM_NODES node(s), ${SLURM_NTASKS:-?} ranks, MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT"
-else
+if [[ -z "${SLURM_JOB_ID:-}" ]]; then
   if (( NODES > 1 )); then
-    die "recipe $RECIPE assumes $NODES nodes: submit it with 'RECIPE=$RECIPE sbatch --nodes=$NODES examples/moe/train.sh' (or DRY_RUN=1 to check it here)"
+    die "recipe $RECIPE assumes $NODES nodes: submit it with '$SUBMIT' (or DRY_RUN=1 to check it here)"
   fi
+  exit_if_finished
   NPROC=${NPROC:-$GPUS_PER_NODE}
   LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC")
   echo "[train.sh] recipe $RECIPE on this machine (no Slurm): torchrun with $NPROC ranks"
-  PYTHON_CMD=()  # torch.distributed.run takes the script itself
+  echo "[train.sh] command: $(show "${LAUNCH[@]}" pretrain_moe.py "${ARGS[@]}")"
+  exec "${LAUNCH[@]}" pretrain_moe.py "${ARGS[@]}"  # torch.distributed.run takes the script itself
 fi
 
-echo "[train.sh] command: $(show "${LAUNCH[@]}" "${PYTHON_CMD[@]}" pretrain_moe.py "${ARGS[@]}")"
-[[ -f pretrain_moe.py ]] || die "pretrain_moe.py not found in $ROOT"
-exec "${LAUNCH[@]}" "${PYTHON_CMD[@]}" pretrain_moe.py "${ARGS[@]}"
+# ---- Under Slurm: one srun task per rank ----------------------------------------------------
+check_job_size
+first_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+if [[ -n "${MASTER_ADDR:-}" ]]; then
+  addr_origin="set by you"
+else
+  MASTER_ADDR=$first_node
+  addr_origin="the job's first node"
+fi
+# Every rank connects to MASTER_ADDR; a name that does not resolve would wait there until the
+# rendezvous times out.
+if ! command -v getent >/dev/null; then
+  echo "[train.sh] no getent on $(hostname): MASTER_ADDR=$MASTER_ADDR is used unchecked"
+elif ! getent ahosts "$MASTER_ADDR" >/dev/null; then
+  die "MASTER_ADDR=$MASTER_ADDR ($addr_origin) does not resolve on $(hostname); fix: set" \
+      "MASTER_ADDR to an address of $first_node that every node of the job can reach"
+fi
+MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+export MASTER_ADDR MASTER_PORT
+exit_if_finished
+
+SRUN=(srun --kill-on-bad-exit=1)
+if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+  # The checkout is mounted at the same path, so code, runs/ and relative paths match.
+  SRUN+=(--container-image="$CONTAINER_IMAGE" --container-workdir="$ROOT"
+         --container-mounts="$ROOT:$ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
+fi
+# One task per rank; each sets its rank variables from Slurm's before starting Python, and one
+# OpenMP thread unless told otherwise, as torchrun does.
+# shellcheck disable=SC2016
+LAUNCH=("${SRUN[@]}" bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; exec "$@"' rank)
+echo "[train.sh] recipe $RECIPE, job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)):" \
+     "$SLURM_JOB_NUM_NODES node(s), $WORLD ranks, MASTER_ADDR=$MASTER_ADDR ($addr_origin)" \
+     "MASTER_PORT=$MASTER_PORT"
+echo "[train.sh] command: $(show "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}")"
+
+# Slurm sends SIGTERM to every task on scancel, scontrol requeue and at the time limit: the
+# ranks save (--exit-signal-handler) within the cluster's KillWait. USR1 comes --signal's lead
+# time before the time limit (header: 300 s): the ranks are told to save and stop now, and the
+# job then requeues itself. This shell waits for srun in both cases, so the save is not cut off.
+REQUEUE=0
+# shellcheck disable=SC2317  # called by the USR1 trap
+on_time_limit() {
+  echo "[train.sh] time limit ahead (USR1): every rank saves a checkpoint and stops;" \
+       "then the job requeues itself"
+  REQUEUE=1
+  scancel --signal=TERM "$SLURM_JOB_ID"  # all job steps, not this batch shell
+}
+trap on_time_limit USR1
+# shellcheck disable=SC2317  # called by the TERM trap
+on_term() {
+  echo "[train.sh] SIGTERM (scancel, requeue or time limit): every rank saves a checkpoint" \
+       "after its current iteration"
+}
+trap on_term TERM
+"${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}" &
+srun_pid=$!
+while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done
+status=0
+wait "$srun_pid" || status=$?
+if (( REQUEUE )) && ! run_finished; then
+  echo "[train.sh] requeueing job $SLURM_JOB_ID (ranks exited $status): the next attempt" \
+       "resumes from $(flag_value --load)"
+  scontrol requeue "$SLURM_JOB_ID" ||
+    die "scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it resumes from $(flag_value --load)"
+  exit 0
+fi
+exit "$status"
