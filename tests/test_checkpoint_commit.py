@@ -121,3 +121,19 @@ def test_without_file_locks_the_writer_record_decides(tmp_path):
     assert cc._running_here({"host": here, "pid": dead.pid}) is False
     assert cc._running_here({"host": here, "pid": os.getpid(), "start": "1"}) is False  # reused
     assert cc._running_here({"host": here + "-elsewhere", "pid": os.getpid()}) is None
+
+
+def test_failed_save_advice_follows_the_cause():
+    """Only a filesystem error (as torch's checkpoint error wraps it) gets the free-space advice;
+    a guard's refusal keeps its own words instead of being blamed on the disk."""
+    from megatron_patches.checkpoint_guard import IncompleteCheckpointError
+
+    try:
+        try:
+            raise OSError(27, "File too large")
+        except OSError as write_error:
+            raise RuntimeError("CheckpointException ranks:{0: OSError(27)}") from write_error
+    except RuntimeError as wrapped:
+        assert cc._caused_by_os_error(wrapped)
+    refusal = IncompleteCheckpointError("[megatron_patches] refusing to save the checkpoint: ...")
+    assert not cc._caused_by_os_error(refusal)
