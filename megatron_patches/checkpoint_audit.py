@@ -25,7 +25,7 @@ import math
 import sys
 from typing import Iterable, Sequence
 
-from megatron_patches.checkpoint_geometry import Box, coverage, describe_chunks
+from megatron_patches.checkpoint_geometry import Box, Coverage, coverage, describe_chunks
 from megatron_patches.checkpoint_metadata import UnreadableCheckpoint, read_checkpoint_metadata
 from megatron_patches.config_shape_rules import (
     ModelDims,
@@ -63,12 +63,7 @@ class TensorFinding:
         if self.shape_ok is False:
             parts.append(f"global shape {list(self.global_shape)} but the config implies "
                          f"{['*' if e is None else e for e in self.expected_shape]}")
-        if self.missing_fraction:
-            parts.append(f"{self.missing_fraction:.1%} of the global tensor has no chunk")
-        if self.overlapping:
-            parts.append("chunks overlap")
-        if self.out_of_bounds:
-            parts.append("a chunk lies outside the global shape")
+        parts += Coverage(self.missing_fraction, self.overlapping, self.out_of_bounds).problems()
         return "; ".join(parts)
 
 

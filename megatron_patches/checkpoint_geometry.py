@@ -26,6 +26,17 @@ class Coverage:
     def exact(self) -> bool:
         return self.missing_fraction == 0 and not self.overlapping and not self.out_of_bounds
 
+    def problems(self) -> list[str]:
+        """What is wrong with the coverage, in words ([] when exact)."""
+        parts = []
+        if self.missing_fraction:
+            parts.append(f"{self.missing_fraction:.1%} of the global tensor has no chunk")
+        if self.overlapping:
+            parts.append("chunks overlap")
+        if self.out_of_bounds:
+            parts.append("a chunk lies outside the global shape")
+        return parts
+
 
 def coverage(global_shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
     """Checks how (offset, size) boxes cover `global_shape`.

@@ -174,21 +174,10 @@ def tiling_problems(global_metadata: list[list[Any]]) -> list[str]:
         boxes = _main_replica_boxes(shardings)
         cov = coverage(shardings[0].global_shape, boxes)
         if not cov.exact:
-            problems.append(f"{key}: {_coverage_problem(cov)}; global shape "
+            problems.append(f"{key}: {"; ".join(cov.problems())}; global shape "
                             f"{list(shardings[0].global_shape)}; main replicas: "
                             f"{describe_chunks(boxes)}")
     return problems
-
-
-def _coverage_problem(cov) -> str:
-    parts = []
-    if cov.missing_fraction:
-        parts.append(f"{cov.missing_fraction:.1%} of the global tensor has no chunk")
-    if cov.overlapping:
-        parts.append("chunks overlap")
-    if cov.out_of_bounds:
-        parts.append("a chunk lies outside the global shape")
-    return "; ".join(parts)
 
 
 def _main_replica_boxes(shardings: list[ShardedTensor]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -345,7 +334,7 @@ def _judge_saved(key: str, model_shape, allow_shape_mismatch: bool, saved: Saved
         return DAMAGE, f"{key}: checkpoint global shape {list(saved.global_shape)} but {args_imply}"
     cov = coverage(saved.global_shape, saved.chunks)
     if not cov.exact:
-        return DAMAGE, f"{key}: {_coverage_problem(cov)} in the checkpoint"
+        return DAMAGE, f"{key}: {"; ".join(cov.problems())} in the checkpoint"
     return None
 
 
