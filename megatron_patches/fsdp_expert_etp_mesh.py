@@ -88,11 +88,12 @@ def _expert_index(dense_index, index_cls):
     from megatron.core import parallel_state as ps
     from torch.distributed import DeviceMesh
 
+    from megatron_patches import collectives
+
     expt_dp = ps.get_expert_data_parallel_group()
     etp = ps.get_expert_tensor_parallel_group()
     # Row i: the ETP group of expert-DP rank i (every rank of my expt_dp group tells its own).
-    rows = [None] * dist.get_world_size(expt_dp)
-    dist.all_gather_object(rows, dist.get_process_group_ranks(etp), group=expt_dp)
+    rows = collectives.gather_objects(dist.get_process_group_ranks(etp), group=expt_dp)
     mesh = DeviceMesh.from_group(
         [expt_dp, etp], device_type=dense_index.device_mesh.device_type,
         mesh=torch.tensor(rows, dtype=torch.int).tolist(), mesh_dim_names=("expt_dp", "etp"),
