@@ -1,4 +1,4 @@
-"""The save and load guards against Megatron-LM #1836, in real 2-rank gloo runs.
+"""The save and load guards against Megatron-LM #1836, in real multi-rank gloo runs.
 
 tests/_ckpt_worker.py `guards` applies both patches through the registry, saves a good ETP=2
 checkpoint, tries to save a #1836-shaped layout on top of it, then loads the damaged and a good
@@ -19,8 +19,7 @@ from megatron_patches import checkpoint_audit, checkpoint_guard, registry
 
 from _checkpoints import guard_results, run_scenario
 from _damage_metadata import damage_like_1836
-from _launch import TINY_MODEL
-from _launch import launch as launch_2_ranks
+from _launch import TINY_MODEL, launch
 
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
@@ -146,12 +145,12 @@ def test_tiling_problems_on_real_sharded_tensors():
 def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tmp_path):
     """pretrain_moe.py trains ETP=2, saves, and stops on both ranks when asked to resume from
     the same checkpoint rewritten into the #1836 layout."""
-    def launch(args):
-        return launch_2_ranks(2, [*TINY_MODEL, *ETP2, *args], timeout=300)
+    def launch_etp2(args):
+        return launch(2, [*TINY_MODEL, *ETP2, *args], timeout=300)
 
     good, damaged, holes = tmp_path / "good", tmp_path / "damaged", tmp_path / "holes"
     # All runs plan 4 iterations (the LR schedule must match to resume); the first stops at 2.
-    first = launch(["--train-iters", "4", "--exit-interval", "2", "--save-interval", "2",
+    first = launch_etp2(["--train-iters", "4", "--exit-interval", "2", "--save-interval", "2",
                     "--save", str(good)])
     assert first.returncode == 0, first.log[-4000:]
     assert "[megatron_patches] checkpoint-completeness-guard: applied" in first.log
@@ -166,7 +165,7 @@ def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tm
     for bad, problem in ((damaged, "checkpoint global shape [2, 8, 64, 64], model expects "
                                    "[2, 8, 128, 64]"),
                          (holes, "50.0% of the global tensor has no chunk")):
-        refused = launch(["--train-iters", "4", "--load", str(bad)])
+        refused = launch_etp2(["--train-iters", "4", "--load", str(bad)])
         assert refused.returncode != 0
         for rank in range(2):
             assert f"[rank{rank}]: megatron_patches.checkpoint_guard.IncompleteCheckpointError: " \
@@ -174,7 +173,7 @@ def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tm
         assert f"{FC1}: {problem}" in refused.log
         assert "iteration        3/" not in refused.log
 
-    resumed = launch(["--train-iters", "4", "--load", str(good)])
+    resumed = launch_etp2(["--train-iters", "4", "--load", str(good)])
     assert resumed.returncode == 0, resumed.log[-4000:]
     assert "iteration        3/" in resumed.log and "iteration        4/" in resumed.log
 
@@ -192,7 +191,7 @@ VARIANTS = [
 @pytest.mark.slow
 def test_valid_model_variants_save_audit_and_resume(tmp_path):
     save = tmp_path / "ckpt"
-    first = launch_2_ranks(2, [*VARIANTS, "--train-iters", "2", "--exit-interval", "1",
+    first = launch(2, [*VARIANTS, "--train-iters", "2", "--exit-interval", "1",
                                "--save-interval", "1", "--save", str(save)], timeout=400)
     assert first.returncode == 0, first.log[-4000:]
     assert "refusing" not in first.log
@@ -205,7 +204,7 @@ def test_valid_model_variants_save_audit_and_resume(tmp_path):
             "decoder.layers.0.mlp.linear_fc1.weight"} <= unchecked
     assert any(t.shape_ok and t.key == "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"
                for t in report.tensors)
-    resumed = launch_2_ranks(2, [*VARIANTS, "--train-iters", "2", "--load", str(save)],
+    resumed = launch(2, [*VARIANTS, "--train-iters", "2", "--load", str(save)],
                              timeout=400)
     assert resumed.returncode == 0, resumed.log[-4000:]
     assert "iteration        2/" in resumed.log
@@ -219,11 +218,11 @@ def test_tp1_checkpoint_resumes_at_tp2(tmp_path):
     model = [*TINY_MODEL, "--vocab-size", "300", "--use-distributed-optimizer",
              "--ckpt-format", "torch_dist", "--train-iters", "2"]
     save = tmp_path / "tp1"
-    launch_2_ranks(2, [*model, "--expert-model-parallel-size", "2", "--exit-interval", "1",
-                       "--save-interval", "1", "--save", str(save)], timeout=400).check()
-    resumed = launch_2_ranks(2, [*model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 "--load", str(save),
-                                 "--no-load-optim", "--no-load-rng"], timeout=400)
+    launch(4, [*model, "--expert-model-parallel-size", "2", "--exit-interval", "1",
+               "--save-interval", "1", "--save", str(save)], timeout=400).check()
+    resumed = launch(4, [*model, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--expert-model-parallel-size", "2", "--load", str(save),
+                         "--no-load-optim", "--no-load-rng"], timeout=400)
     assert resumed.returncode == 0, resumed.log[-4000:]
     assert "refusing" not in resumed.log and "iteration        2/" in resumed.log
 
@@ -262,7 +261,7 @@ def test_te_only_variants_save_a_complete_checkpoint(variant, tmp_path):
     pytest.importorskip("transformer_engine", reason="megatron-core 0.19.2 builds latent MoE "
                         "projections and multi-latent attention only with Transformer Engine")
     save = tmp_path / "ckpt"
-    run = launch_2_ranks(2, [*TINY_MODEL, *TE_ONLY_VARIANTS[variant], *ETP2, "--train-iters", "1",
+    run = launch(2, [*TINY_MODEL, *TE_ONLY_VARIANTS[variant], *ETP2, "--train-iters", "1",
                              "--save-interval", "1", "--save", str(save)], timeout=400)
     assert run.returncode == 0 and "refusing" not in run.log, run.log[-4000:]
     assert checkpoint_audit.audit(str(save)).exit_status == checkpoint_audit.EXIT_COMPLETE
