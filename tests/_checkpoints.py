@@ -1,7 +1,7 @@
 """Runs tests/_ckpt_worker.py scenarios once per pytest process and shares their outputs.
 
 Making real checkpoints takes two gloo processes and ~15 s of CPU, so the audit and guard tests
-share one set (no conftest.py: the lead owns it; a module-level cache does the same job).
+share one set (a module-level cache). Scenarios run under the suite's harness (_launch.launch).
 """
 
 from __future__ import annotations
@@ -11,24 +11,25 @@ import functools
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+from pathlib import Path
+
+from _launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "_ckpt_worker.py")
 TIMEOUT_S = 300  # a hung rank fails the test instead of hanging pytest
+WORLD = 2
 
 
 def run_scenario(scenario: str, out: str) -> list[dict]:
     """Runs one 2-rank scenario into `out`; returns each rank's result."""
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, WORKER, scenario, out], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{scenario} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    run = launch(WORLD, [scenario, out], env={"PYTHONWARNINGS": "ignore"}, timeout=TIMEOUT_S,
+                 script=Path(WORKER))
+    if run.returncode != 0:
+        raise RuntimeError(f"{scenario} failed ({run.returncode}):\n{run.log[-4000:]}")
     results = []
-    for rank in range(2):
+    for rank in range(WORLD):
         with open(os.path.join(out, f"result_rank{rank}.json")) as f:
             results.append(json.load(f))
         os.remove(os.path.join(out, f"result_rank{rank}.json"))

@@ -1,8 +1,9 @@
 """Writes real megatron-core checkpoints of a tiny MoE GPT from 2 gloo processes on CPU.
 
-    python tests/_ckpt_worker.py SCENARIO OUT_DIR
+    torchrun --nproc-per-node=2 tests/_ckpt_worker.py SCENARIO OUT_DIR
+    (the tests run it through _checkpoints.run_scenario, i.e. the suite's _launch.launch)
 
-Scenarios (each one spawn of 2 ranks, results in OUT_DIR/result_rank{R}.json):
+Scenarios (each one run of 2 ranks, results in OUT_DIR/result_rank{R}.json):
   make    good checkpoints etp1/ (TP1 EP2 ETP1) and etp2/ (TP2 EP1 ETP2), and damaged/.
   guards  with both guard patches applied: save good, then try to save a damaged layout on top
           (#1836 shapes, then true shapes with ETP rank 1's chunks dropped); try to load
@@ -30,14 +31,12 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 WORLD = 2
 ITER_NAME = "iter_{:07d}"
@@ -425,13 +424,16 @@ SCENARIOS = {"make": scenario_make, "guards": scenario_guards, "bench": scenario
              "fsdp_guard": scenario_fsdp_guard}
 
 
-def _rank_main(rank: int, scenario: str, out: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def main() -> None:
+    """One rank of a scenario, started by the suite's harness (tests/_launch.py, torchrun)."""
+    scenario, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    os.makedirs(out, exist_ok=True)
     # Before megatron is imported: the project's CPU backend stands in for CUDA.
     from megatron_patches import cpu_backend
 
     cpu_backend.activate()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo")
     try:
         result = SCENARIOS[scenario](out)
     except Exception:
@@ -439,18 +441,6 @@ def _rank_main(rank: int, scenario: str, out: str, port: int) -> None:
     with open(os.path.join(out, f"result_rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main() -> None:
-    scenario, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    mp.spawn(_rank_main, args=(scenario, out, _free_port()), nprocs=WORLD)
 
 
 if __name__ == "__main__":
