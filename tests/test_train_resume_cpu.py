@@ -11,8 +11,9 @@ from _launch import TINY_MODEL, launch, tensorboard_scalars
 
 K = 3  # iterations before the checkpoint; the runs go to 2K
 
+# The 1-rank layout is bench/gpu_check.sh's local-spec step (same flags, same bit-exact check),
+# which tests/test_gpu_check.py runs; the allgather dispatcher is covered with TP2 x EP2.
 LAYOUTS = {
-    "1rank": (1, []),
     "ep4": (4, ["--expert-model-parallel-size", "4"]),
     "tp2-ep2": (4, ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
                     "--sequence-parallel"]),
@@ -22,8 +23,6 @@ LAYOUTS = {
     "tp2-pp2-ep2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                         "--sequence-parallel"]),
-    "ep4-allgather": (4, ["--expert-model-parallel-size", "4",
-                          "--moe-token-dispatcher-type", "allgather"]),
     "tp2-ep2-allgather": (4, ["--tensor-model-parallel-size", "2",
                               "--expert-model-parallel-size", "2", "--sequence-parallel",
                               "--moe-token-dispatcher-type", "allgather"]),
