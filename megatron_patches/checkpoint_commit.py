@@ -489,13 +489,12 @@ def _first_line(exc: BaseException) -> str:
         f" / {causes[-1]}" if causes else "")
 
 
-def _caused_by_os_error(exc: BaseException) -> bool:
-    """Whether a filesystem error (disk full, file-size limit, permissions) is in the chain;
-    torch's checkpoint errors wrap the per-rank OSError."""
+def _is_deliberate_refusal(exc: BaseException) -> bool:
+    """Whether a patch refused the save on purpose (its message names what is wrong and the
+    fix), anywhere in the exception chain. Such errors set `refusal_names_its_fix = True`."""
     seen = set()
     while exc is not None and id(exc) not in seen:
-        text = str(exc)
-        if isinstance(exc, OSError) or "OSError" in text or "[Errno" in text:
+        if getattr(exc, "refusal_names_its_fix", False):
             return True
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
@@ -582,12 +581,12 @@ def _wrap_save(original: Callable) -> Callable:
                      if kept == dirname else
                      f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
                      f"which is unchanged; the partial {STAGING_PREFIX + dirname} was removed")
-            if _caused_by_os_error(exc):
+            if _is_deliberate_refusal(exc):  # e.g. a checkpoint guard: its message has the fix
+                fix = (f"; {state}. Fix: as the refusal says; the run can resume with --load "
+                       f"{save_dir}")
+            else:
                 fix = (f"({_room(save_dir)}); {state}. Fix: free space in (or point --save away "
                        f"from) {save_dir}, then resume with --load {save_dir}")
-            else:  # e.g. a checkpoint guard's refusal: its message says what is wrong
-                fix = (f"; {state}. Fix: what the error names; the run can resume with --load "
-                       f"{save_dir}")
             raise CheckpointSaveError(
                 f"saving iteration {iteration} to {save_dir} failed on rank {collectives.rank()}: "
                 f"{_first_line(exc)} {fix}") from exc

@@ -78,6 +78,8 @@ _LISTED = 8  # problems shown per refusal
 class IncompleteCheckpointError(CheckpointingException):
     """A save or load was refused because the checkpoint layout is incomplete or wrong."""
 
+    refusal_names_its_fix = True  # atomic-checkpoint-commit then keeps this message's fix
+
 
 def _listing(lines: list[str]) -> str:
     more = f"\n  ... and {len(lines) - _LISTED} more" if len(lines) > _LISTED else ""

@@ -124,8 +124,8 @@ def test_without_file_locks_the_writer_record_decides(tmp_path):
 
 
 def test_failed_save_advice_follows_the_cause():
-    """Only a filesystem error (as torch's checkpoint error wraps it) gets the free-space advice;
-    a guard's refusal keeps its own words instead of being blamed on the disk."""
+    """A guard's refusal keeps its own fix; anything else (a write error, as torch's checkpoint
+    error wraps it) gets the free-space advice."""
     from megatron_patches.checkpoint_guard import IncompleteCheckpointError
 
     try:
@@ -134,6 +134,11 @@ def test_failed_save_advice_follows_the_cause():
         except OSError as write_error:
             raise RuntimeError("CheckpointException ranks:{0: OSError(27)}") from write_error
     except RuntimeError as wrapped:
-        assert cc._caused_by_os_error(wrapped)
-    refusal = IncompleteCheckpointError("[megatron_patches] refusing to save the checkpoint: ...")
-    assert not cc._caused_by_os_error(refusal)
+        assert not cc._is_deliberate_refusal(wrapped)
+    try:
+        raise IncompleteCheckpointError("[megatron_patches] refusing to save the checkpoint")
+    except IncompleteCheckpointError as refusal:
+        try:
+            raise RuntimeError("save failed") from refusal
+        except RuntimeError as wrapped:
+            assert cc._is_deliberate_refusal(wrapped)
