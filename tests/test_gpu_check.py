@@ -3,6 +3,7 @@ every step that needs CUDA says SKIP with its reason (so the script cannot rot u
 
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from _launch import REPO
 @pytest.mark.slow
 def test_gpu_check_runs_on_this_machine(tmp_path):
     done = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh")], cwd=REPO,
-                          env={**os.environ, "GPU_CHECK_RESULTS": str(tmp_path)},
+                          env={**os.environ, "GPU_CHECK_RESULTS": str(tmp_path),
+                               "PYTHON": sys.executable},
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     device = "cpu" if not torch.cuda.is_available() else None
