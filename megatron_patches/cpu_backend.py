@@ -119,12 +119,13 @@ def _inputs_all_host(args, kwargs) -> bool:
 
 
 def _placement(device) -> str:
-    """'cuda', 'host' or 'unknown'. Only the string "cpu" is known to mean the host: under
-    this backend a device tensor's `.device` is torch.device('cpu') too."""
+    """'cuda' or 'unknown'. A device named "cpu" is not known to mean the host: under this
+    backend a device tensor's `.device` is torch.device('cpu') too, and megatron writes
+    `torch.cuda.current_device() if torch.cuda.is_available() else "cpu"` (e.g. its MoE
+    metrics tracker), which is a CUDA device on a GPU. Only tensors made without any device,
+    or moved by .cpu(), are known host tensors."""
     if _is_cuda_device(device):
         return "cuda"
-    if isinstance(device, str) and device.startswith("cpu"):
-        return "host"
     return "unknown"
 
 
@@ -147,9 +148,9 @@ def _requested_placement(func, args, kwargs) -> str | None:
 class _StrictCudaToCpu(_CudaToCpu):
     """Also tags the tensors that would be host tensors on a GPU, for the collectives to refuse.
 
-    A tensor is tagged when a factory makes it without a device (or with device "cpu"), by
-    .cpu()/.to("cpu")/.pin_memory(), or by an op all of whose tensor inputs are tagged and that
-    names no device; .cuda()/.to("cuda") clear the tag. Anything else is not known to be on
+    A tensor is tagged when a factory makes it without a device, by .cpu()/.pin_memory(), or
+    by an op all of whose tensor inputs are tagged and that names no device; .cuda()/.to("cuda")
+    clear the tag. Anything else is not known to be on
     the host and is never refused: a false refusal would stop a run that works on a GPU.
     """
 
