@@ -61,7 +61,12 @@ def main(argv: list[str]) -> None:
     args = parse_and_validate_args()
     log0(f"[pretrain_moe] megatron-core {track} track, "
          f"{'CPU backend (gloo)' if on_cpu else 'CUDA'}, transformer-impl {args.transformer_impl}")
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    if args.hybrid_layer_pattern:
+        from moe_launcher.hybrid_spec import hybrid_model_config
+        model_config = hybrid_model_config(args)
+    else:
+        model_config = gpt_config_from_args(args)
+    config = pretrain_cfg_container_from_args(args, model_config)
     pretrain(config, train_valid_test_datasets, ModelType.encoder_or_decoder, forward_step)
 
 

@@ -236,6 +236,9 @@ def _apply() -> None:
                                       num_experts=margs.num_experts,
                                       moe_layer_freq=margs.moe_layer_freq,
                                       mtp_num_layers=margs.mtp_num_layers)
+        else:
+            layer_layout.check_hybrid_census(built.layers, margs.hybrid_layer_pattern,
+                                             margs.pipeline_model_parallel_size)
         _print_rank_0(f"[megatron_patches] layer census: {built.layers.summary()}")
         keep(built)
         return model, optimizer, scheduler

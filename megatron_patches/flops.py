@@ -165,8 +165,8 @@ def moe_mlp(s: ModelShape, tokens: float) -> float:
 def forward_flops(s: ModelShape, census: LayerCensus, tokens: float, seqlen_squared_sum: float,
                   causal_fraction: float = MEGATRON_CAUSAL_FRACTION) -> float:
     """Forward FLOPs for `tokens` tokens in sequences whose squared lengths sum to the given."""
-    attention_layers = census.decoder_layers + census.mtp
-    dense_layers = census.dense + census.mtp - census.mtp_moe
+    attention_layers = census.attention + census.mtp_attention
+    dense_layers = census.dense + census.mtp_dense
     moe_layers = census.moe_layers_with_mtp
     flops = attention_layers * (tokens * attention_linear(s)
                                 + causal_fraction * seqlen_squared_sum * attention_core(s))

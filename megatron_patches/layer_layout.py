@@ -158,24 +158,32 @@ def _uneven_split(layout: LayerLayout, refuse: Callable[[str, str], LayerLayoutE
 
 @dataclasses.dataclass(frozen=True)
 class LayerCensus:
+    """Layers by family. A GPT decoder layer has self-attention and an MLP (dense or MoE); a
+    HybridModel layer has one of them (`*` attention, `-` dense MLP, `E` MoE), so the families
+    are counted separately, as built."""
+
     dense: int  # decoder layers with a dense MLP
     moe: int  # decoder layers whose mlp is a MoELayer
+    attention: int  # decoder layers with self-attention
     mtp: int  # MTP layer applications per forward (a repeated MTP layer counts each depth)
     per_stage: tuple[int, ...]  # decoder layers per pipeline rank
-    mtp_moe: int = 0  # of the MTP applications, those whose inner layer is MoE
+    mtp_moe: int = 0  # MoE layers run by the MTP applications
+    mtp_dense: int = 0  # dense MLPs run by the MTP applications
+    mtp_attention: int = 0  # self-attentions run by the MTP applications
     layer_numbers: tuple[int, ...] = ()  # 1-based decoder layer numbers, all stages, sorted
 
     @property
     def decoder_layers(self) -> int:
-        return self.dense + self.moe
+        return sum(self.per_stage)
 
     @property
     def moe_layers_with_mtp(self) -> int:
         return self.moe + self.mtp_moe
 
     def summary(self) -> str:
-        return (f"layers per pipeline stage {self.per_stage}; {self.dense} dense, {self.moe} MoE "
-                f"decoder layers; {self.mtp} MTP ({self.mtp_moe} MoE)")
+        return (f"layers per pipeline stage {self.per_stage}; {self.attention} attention, "
+                f"{self.dense} dense MLP, {self.moe} MoE in the decoder; {self.mtp} MTP "
+                f"({self.mtp_attention} attention, {self.mtp_dense} dense MLP, {self.mtp_moe} MoE)")
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -185,34 +193,46 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _has_moe(module: torch.nn.Module) -> bool:
+def _families(layers) -> tuple[int, int, int]:
+    """(attention, dense MLP, MoE) among `layers`; a slot megatron left empty is an IdentityOp."""
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    return any(isinstance(m, MoELayer) for m in module.modules())
+    attention = dense = moe = 0
+    for layer in layers:
+        attention += not isinstance(getattr(layer, "self_attention", IdentityOp()), IdentityOp)
+        mlp = getattr(layer, "mlp", IdentityOp())
+        moe += isinstance(mlp, MoELayer)
+        dense += not isinstance(mlp, (MoELayer, IdentityOp))
+    return attention, dense, moe
 
 
 def _local_counts(model_chunks) -> dict:
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    numbers, moe_numbers, mtp, mtp_moe = [], [], 0, 0
+    counts = {"numbers": [], "attention": 0, "dense": 0, "moe": 0,
+              "mtp": 0, "mtp_attention": 0, "mtp_dense": 0, "mtp_moe": 0}
     for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
         model = unwrap(chunk)
-        decoder = getattr(model, "decoder", None)
-        for layer in getattr(decoder, "layers", []):
-            numbers.append(layer.layer_number)
-            if isinstance(getattr(layer, "mlp", None), MoELayer):
-                moe_numbers.append(layer.layer_number)
+        layers = list(getattr(getattr(model, "decoder", None), "layers", []))
+        counts["numbers"] += [layer.layer_number for layer in layers]
+        for key, value in zip(("attention", "dense", "moe"), _families(layers)):
+            counts[key] += value
         block = getattr(model, "mtp", None) if getattr(model, "mtp_process", False) else None
         if block is not None:
             depths = model.config.mtp_num_layers
             repeated = getattr(block, "mtp_use_repeated_layer", False)
             for layer in block.layers:
                 applications = depths if repeated else 1
-                mtp += applications
-                mtp_moe += applications * _has_moe(layer.mtp_model_layer)
-    return {"numbers": numbers, "moe_numbers": moe_numbers, "mtp": mtp, "mtp_moe": mtp_moe}
+                inner = layer.mtp_model_layer
+                # A GPT MTP layer is one transformer layer; a hybrid one is a stack of them.
+                inner_layers = list(getattr(inner, "layers", [inner]))
+                counts["mtp"] += applications
+                for key, value in zip(("mtp_attention", "mtp_dense", "mtp_moe"),
+                                      _families(inner_layers)):
+                    counts[key] += applications * value
+    return counts
 
 
 def census_of_model(model_chunks, pp_group=None) -> LayerCensus:
-    """Counts the decoder and MTP layers built on every pipeline rank.
+    """Counts the decoder and MTP layers built on every pipeline rank, by family.
 
     Each rank counts its own model chunks; the counts are gathered over the pipeline group so
     every rank sees the whole model. Without torch.distributed the local counts are the model.
@@ -221,15 +241,16 @@ def census_of_model(model_chunks, pp_group=None) -> LayerCensus:
         from megatron.core import parallel_state
         pp_group = parallel_state.get_pipeline_model_parallel_group()
     stages = collectives.gather_objects(_local_counts(model_chunks), group=pp_group)
-    numbers = [n for s in stages for n in s["numbers"]]
-    moe = sum(len(s["moe_numbers"]) for s in stages)
+
+    def total(key):
+        return sum(stage[key] for stage in stages)
+
     return LayerCensus(
-        dense=len(numbers) - moe,
-        moe=moe,
-        mtp=sum(s["mtp"] for s in stages),
-        per_stage=tuple(len(s["numbers"]) for s in stages),
-        mtp_moe=sum(s["mtp_moe"] for s in stages),
-        layer_numbers=tuple(sorted(numbers)),
+        dense=total("dense"), moe=total("moe"), attention=total("attention"), mtp=total("mtp"),
+        per_stage=tuple(len(stage["numbers"]) for stage in stages),
+        mtp_moe=total("mtp_moe"), mtp_dense=total("mtp_dense"),
+        mtp_attention=total("mtp_attention"),
+        layer_numbers=tuple(sorted(n for stage in stages for n in stage["numbers"])),
     )
 
 
@@ -263,6 +284,35 @@ def check_census(census: LayerCensus, *, num_layers: int, num_experts: int | Non
             f"megatron-core built a different model than the flags ask for ({UPSTREAM}): "
             + "; ".join(problems) + f". Built: {census.summary()}. Fix: check "
             f"{FIRST_FLAG}/{LAST_FLAG} and --pipeline-model-parallel-layout against --num-layers.")
+
+
+def check_hybrid_census(census: LayerCensus, pattern: str, pipeline: int) -> None:
+    """Raises LayerLayoutError when the HybridModel built is not --hybrid-layer-pattern: the
+    families of the main pattern and of each MTP depth, and the `|` segments per stage."""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+
+    parsed = parse_hybrid_pattern(pattern)
+    main = parsed.main_pattern or ""
+    segments = main.split(Symbols.PIPE)
+    layers = main.replace(Symbols.PIPE, "")
+    mtp = (parsed.mtp_pattern or "") * parsed.mtp_num_depths
+    want = {"attention": layers.count(Symbols.ATTENTION), "dense": layers.count(Symbols.MLP),
+            "moe": layers.count(Symbols.MOE), "mtp": parsed.mtp_num_depths,
+            "mtp_attention": mtp.count(Symbols.ATTENTION), "mtp_dense": mtp.count(Symbols.MLP),
+            "mtp_moe": mtp.count(Symbols.MOE)}
+    problems = [f"{getattr(census, key)} {key.replace('_', ' ')} built, the pattern has {count}"
+                for key, count in want.items() if getattr(census, key) != count]
+    if census.layer_numbers != tuple(range(1, len(layers) + 1)):
+        problems.append(f"layer numbers {census.layer_numbers} for {len(layers)} layers")
+    # One segment per pipeline rank: each stage builds its segment (with VPP, several
+    # segments per rank, compared in total above).
+    if len(segments) == pipeline and census.per_stage != tuple(len(s) for s in segments):
+        problems.append(f"layers per stage {census.per_stage}, the pattern's segments have "
+                        f"{tuple(len(s) for s in segments)}")
+    if problems:
+        raise LayerLayoutError(
+            f"megatron-core built a different model than --hybrid-layer-pattern={pattern!r} "
+            f"asks for: " + "; ".join(problems) + f". Built: {census.summary()}.")
 
 
 # ---------------------------------------------------------------------------------------------

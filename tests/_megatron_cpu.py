@@ -94,6 +94,20 @@ def build_gpt(config, seq_length: int):
                     max_sequence_length=seq_length, mtp_block_spec=mtp_spec)
 
 
+def build_hybrid(config, pattern: str, seq_length: int):
+    """A HybridModel from the launcher's local stack spec, as pretrain builds it without TE."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from moe_launcher.hybrid_spec import local_hybrid_stack_spec
+
+    init_world()
+    destroy_moe_metrics_tracker()
+    spec = local_hybrid_stack_spec(config.normalization, config.num_moe_experts)
+    return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=VOCAB,
+                       max_sequence_length=seq_length, hybrid_layer_pattern=pattern)
+
+
 def train_step_loss(model, batch: int, seq_length: int) -> torch.Tensor:
     ids = torch.randint(0, VOCAB, (batch, seq_length))
     positions = torch.arange(seq_length).expand(batch, -1)

@@ -40,6 +40,19 @@ CASES = {
 }
 
 
+# HybridModel patterns (moe_launcher/hybrid_spec.py): layers of one family each.
+HYBRID_CASES = {
+    "hybrid-*E*E": ("*E*E", dict(num_layers=4, num_moe_experts=8, moe_router_topk=2)),
+    "hybrid-dense-first": ("*-*E", dict(num_layers=4, num_moe_experts=8, moe_router_topk=2,
+                                        gated_linear_unit=True)),
+    "hybrid-gqa-shared": ("**EE", dict(num_layers=4, num_moe_experts=8, moe_router_topk=2,
+                                       num_attention_heads=8, num_query_groups=2,
+                                       moe_shared_expert_intermediate_size=48)),
+    "hybrid-mtp": ("*E*E/*E", dict(num_layers=4, num_moe_experts=8, moe_router_topk=2,
+                                   mtp_num_layers=1)),
+}
+
+
 def _model_flops(config, model, seq_length, causal_fraction):
     census = census_of_model([model])
     shape = flops.ModelShape.from_config(config, cpu.VOCAB, BATCH, seq_length)
@@ -58,6 +71,16 @@ def test_flops_match_flop_counter(case, seq_length):
     model = cpu.build_gpt(config, seq_length)
     measured = cpu.measured_flops(model, BATCH, seq_length)
     predicted = _model_flops(config, model, seq_length, causal_fraction=1.0)
+    assert predicted == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES)
+def test_hybrid_flops_match_flop_counter(case):
+    pattern, overrides = HYBRID_CASES[case]
+    config = cpu.tiny_config(**overrides)
+    model = cpu.build_hybrid(config, pattern, 128)
+    measured = cpu.measured_flops(model, BATCH, 128)
+    predicted = _model_flops(config, model, 128, causal_fraction=1.0)
     assert predicted == pytest.approx(measured, rel=0.01)
 
 

@@ -258,8 +258,9 @@ def flops_per_iteration(args, config, layout: Layout) -> int:
     training log's `FLOPs per iteration:` line, on the layer census the flags ask for."""
     moe = expected_moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq)
     stages = layout.stages if layout.stages[0] >= 0 else []
-    census = LayerCensus(dense=args.num_layers - moe, moe=moe, mtp=args.mtp_num_layers or 0,
-                         per_stage=stages)
+    mtp = args.mtp_num_layers or 0
+    census = LayerCensus(dense=args.num_layers - moe, moe=moe, attention=args.num_layers,
+                         mtp=mtp, per_stage=stages, mtp_attention=mtp, mtp_dense=mtp)
     shape = ModelShape.from_config(config, padded_vocab(args), args.micro_batch_size,
                                    args.seq_length)
     batch = args.global_batch_size
