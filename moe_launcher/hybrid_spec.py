@@ -9,7 +9,10 @@ norm, SequentialMLP experts), for the layer families the local path supports: `*
 keep megatron's IdentityOp default and are refused by preflight before anything is built.
 
 Where TE fuses the norm into the following linear (TELayerNormColumnParallelLinear), the local
-spec has a separate norm in the layer's norm slot, as megatron's local GPT spec does.
+spec has a separate norm in the layer's norm slot, as megatron's local GPT spec does, and saves
+it under the same checkpoint keys as that spec (`self_attention.linear_qkv.layer_norm_*`,
+`mlp.linear_fc1.layer_norm_*`), so megatron's GPT-to-Hybrid checkpoint loading
+(`gpt_checkpoint_interop`) reads a local-spec GPT checkpoint into this HybridModel.
 """
 
 from functools import partial
@@ -44,6 +47,34 @@ class LocalNormHybridStack(HybridStack):
 
 # The layer families this spec builds (pattern symbols, megatron's Symbols).
 LOCAL_FAMILIES = {"*": "attention", "-": "dense MLP", "E": "MoE"}
+# The others, built by megatron's Transformer Engine stack spec; some need more packages.
+TE_FAMILIES = {"M": "Mamba", "G": "gated delta net", "D": "DeepSeek sparse attention",
+               "+": "multi-latent attention"}
+FAMILY_PACKAGES = {"M": ("mamba_ssm", "causal_conv1d"), "G": ("fla",)}
+
+
+def pattern_problem(pattern: str, transformer_impl: str) -> str | None:
+    """Why --hybrid-layer-pattern cannot build here (a layer family the spec or the machine
+    lacks), or None. The pattern's syntax and its pipeline segments are megatron's to judge."""
+    import importlib.util
+
+    symbols = set(pattern) - {"|", "/"}
+    if transformer_impl == "local":
+        missing = sorted(symbols - set(LOCAL_FAMILIES))
+        if missing:
+            names = ", ".join(f"'{m}' ({TE_FAMILIES.get(m, 'unknown')})" for m in missing)
+            return (f"layer families {names} need megatron's Transformer Engine HybridModel "
+                    f"spec, and this run builds the local spec (--transformer-impl local); "
+                    f"fix: install Transformer Engine, or use only "
+                    + ", ".join(f"'{k}' ({v})" for k, v in LOCAL_FAMILIES.items()))
+        return None
+    for symbol in sorted(symbols):
+        absent = [p for p in FAMILY_PACKAGES.get(symbol, ()) if importlib.util.find_spec(p) is None]
+        if absent:
+            return (f"layer family '{symbol}' ({TE_FAMILIES[symbol]}) needs the package(s) "
+                    f"{', '.join(absent)}, not installed; fix: pip install them or drop "
+                    f"'{symbol}' from the pattern")
+    return None
 
 
 def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> ModuleSpec:
@@ -63,8 +94,10 @@ def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> Modu
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
         ),
     )
+    mlp_norm_keys = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     dense_mlp = ModuleSpec(
         module=MLPLayer,
         submodules=TransformerLayerSubmodules(
@@ -73,6 +106,7 @@ def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> Modu
                 linear_fc1=backend.column_parallel_linear(),
                 linear_fc2=backend.row_parallel_linear())),
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=mlp_norm_keys,
         ),
     )
     moe = ModuleSpec(
@@ -81,6 +115,7 @@ def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> Modu
             pre_mlp_layernorm=norm,
             mlp=get_moe_module_spec_for_backend(backend=backend, num_experts=num_experts or 1),
             mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=mlp_norm_keys,
         ),
     )
     # The MTP block carries its norms and projection; its inner layers are built from the

@@ -338,3 +338,18 @@ def check_layout(args) -> Layout:
     edp = (w // pp) // (ep * etp)
     return Layout(w, tp, pp, cp, dp, ep, etp, edp, _virtual_pipeline(args),
                   check_layer_layout(args), moe_pattern(args))
+
+
+@preflight_check("hybrid-layer-pattern")
+def check_hybrid_layer_pattern(args) -> None:
+    # --hybrid-layer-pattern builds megatron's HybridModel (moe_launcher/hybrid_spec.py); a
+    # layer family it cannot build here is refused rather than left to fail mid-build.
+    pattern = args.hybrid_layer_pattern or args.hybrid_override_pattern
+    if not pattern:
+        return
+    from moe_launcher.hybrid_spec import pattern_problem
+
+    problem = pattern_problem(pattern, args.transformer_impl)
+    if problem:
+        raise PreflightError("--hybrid-layer-pattern", f"--hybrid-layer-pattern {pattern!r}: "
+                             + problem)

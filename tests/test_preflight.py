@@ -58,6 +58,9 @@ CASES = {
     # On CPU the local spec: its attention asserts context_parallel_size == 1 at model build.
     "context-parallel-without-transformer-engine": (2, ["--context-parallel-size", "2"],
                                                     "--context-parallel-size"),
+    # The local HybridModel spec builds attention, dense MLP and MoE layers only.
+    "hybrid-family-without-transformer-engine": (1, ["--hybrid-layer-pattern", "*M*E"],
+                                                 "--hybrid-layer-pattern"),
 }
 # Counted in the report: every case is a bad input that must be refused.
 BAD_INPUTS_TRIED = len(CASES) + 2  # + the unsupported megatron-core install + the torchrun case
