@@ -286,29 +286,35 @@ def check_census(census: LayerCensus, *, num_layers: int, num_experts: int | Non
             f"{FIRST_FLAG}/{LAST_FLAG} and --pipeline-model-parallel-layout against --num-layers.")
 
 
-def check_hybrid_census(census: LayerCensus, pattern: str, pipeline: int) -> None:
-    """Raises LayerLayoutError when the HybridModel built is not --hybrid-layer-pattern: the
-    families of the main pattern and of each MTP depth, and the `|` segments per stage."""
+def census_of_pattern(pattern: str) -> LayerCensus:
+    """The layers --hybrid-layer-pattern asks for: the main pattern's families, each `|`
+    segment one pipeline stage, and the MTP pattern once per depth (megatron's parser)."""
     from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 
     parsed = parse_hybrid_pattern(pattern)
     main = parsed.main_pattern or ""
-    segments = main.split(Symbols.PIPE)
     layers = main.replace(Symbols.PIPE, "")
     mtp = (parsed.mtp_pattern or "") * parsed.mtp_num_depths
-    want = {"attention": layers.count(Symbols.ATTENTION), "dense": layers.count(Symbols.MLP),
-            "moe": layers.count(Symbols.MOE), "mtp": parsed.mtp_num_depths,
-            "mtp_attention": mtp.count(Symbols.ATTENTION), "mtp_dense": mtp.count(Symbols.MLP),
-            "mtp_moe": mtp.count(Symbols.MOE)}
-    problems = [f"{getattr(census, key)} {key.replace('_', ' ')} built, the pattern has {count}"
-                for key, count in want.items() if getattr(census, key) != count]
-    if census.layer_numbers != tuple(range(1, len(layers) + 1)):
-        problems.append(f"layer numbers {census.layer_numbers} for {len(layers)} layers")
-    # One segment per pipeline rank: each stage builds its segment (with VPP, several
-    # segments per rank, compared in total above).
-    if len(segments) == pipeline and census.per_stage != tuple(len(s) for s in segments):
-        problems.append(f"layers per stage {census.per_stage}, the pattern's segments have "
-                        f"{tuple(len(s) for s in segments)}")
+    return LayerCensus(
+        attention=layers.count(Symbols.ATTENTION), dense=layers.count(Symbols.MLP),
+        moe=layers.count(Symbols.MOE), mtp=parsed.mtp_num_depths,
+        per_stage=tuple(len(segment) for segment in main.split(Symbols.PIPE)),
+        mtp_attention=mtp.count(Symbols.ATTENTION), mtp_dense=mtp.count(Symbols.MLP),
+        mtp_moe=mtp.count(Symbols.MOE), layer_numbers=tuple(range(1, len(layers) + 1)))
+
+
+def check_hybrid_census(census: LayerCensus, pattern: str, pipeline: int) -> None:
+    """Raises LayerLayoutError when the HybridModel built is not --hybrid-layer-pattern."""
+    want = census_of_pattern(pattern)
+    fields = ["attention", "dense", "moe", "mtp", "mtp_attention", "mtp_dense", "mtp_moe",
+              "layer_numbers"]
+    # One segment per pipeline rank: each stage builds its segment. With virtual stages a rank
+    # builds several segments; the totals above still hold.
+    if len(want.per_stage) == pipeline:
+        fields.append("per_stage")
+    problems = [f"{field.replace('_', ' ')}: built {getattr(census, field)}, the pattern has "
+                f"{getattr(want, field)}" for field in fields
+                if getattr(census, field) != getattr(want, field)]
     if problems:
         raise LayerLayoutError(
             f"megatron-core built a different model than --hybrid-layer-pattern={pattern!r} "

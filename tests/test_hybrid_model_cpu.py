@@ -80,3 +80,33 @@ def test_gpt_checkpoint_gives_the_hybrid_model_the_same_loss(tmp_path):
     gpt_loss = tensorboard_scalars(tmp_path / "tb_gpt", "lm loss")[K + 1]
     hybrid_loss = tensorboard_scalars(tmp_path / "tb_hybrid", "lm loss")[K + 1]
     assert hybrid_loss == gpt_loss
+
+
+def test_planner_prints_no_gpt_estimates_for_a_hybrid_pattern(capsys):
+    """The dry-run planner's parameter/memory/FLOPs estimates count GPT layers: for a pattern it
+    validates the flags with megatron and says the estimates are not modelled."""
+    import sys
+
+    from _launch import REPO
+    sys.path.insert(0, str(REPO / "examples" / "moe"))
+    import plan
+
+    assert plan.main(["--world-size", "2", "--", *BASE, "--train-iters", "2",
+                      "--hybrid-layer-pattern", "*E|*E", "--pipeline-model-parallel-size",
+                      "2"]) == 0
+    out = capsys.readouterr().out
+    assert "not modelled for HybridModel" in out and "FLOPs per iteration" not in out
+
+
+def test_census_of_a_built_hybrid_model_is_checked_against_the_pattern():
+    import _megatron_cpu as cpu
+
+    from megatron_patches.layer_layout import LayerLayoutError, census_of_model, check_hybrid_census
+
+    config = cpu.tiny_config(num_layers=4, num_moe_experts=4, moe_router_topk=2)
+    census = census_of_model([cpu.build_hybrid(config, "*-*E", 32)])
+    check_hybrid_census(census, "*-*E", pipeline=1)
+    with pytest.raises(LayerLayoutError, match=r"dense: built 1, the pattern has 0"):
+        check_hybrid_census(census, "*E*E", pipeline=1)
+    with pytest.raises(LayerLayoutError, match=r"per stage: built \(4,\), the pattern has \(2, 2\)"):
+        check_hybrid_census(census, "*-|*E", pipeline=2)
