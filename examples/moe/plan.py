@@ -312,6 +312,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
         return 1
 
     if validated.hybrid_layer_pattern:
+        print(layout.line())
         # The estimates below count GPT layers (attention + MLP each); printing them for a
         # HybridModel would be the #1778 class of error in the planner itself.
         print(f"[plan] megatron validate_args and TransformerConfig accept the flags; "
