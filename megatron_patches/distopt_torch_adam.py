@@ -11,10 +11,15 @@ state (`step`, `exp_avg`, `exp_avg_sq`) only exists after the first step. megatr
    bias correction differs: a resumed run silently trains differently.
 3. Loading the parameter state copies the template's pre-load `step` back over the loaded one,
    and copies into fp32 main params that are leaves requiring grad (an in-place error).
+4. A `--dist-ckpt-optim-fully-reshardable` checkpoint cannot be loaded at all:
+   `load_parameter_state_from_fully_reshardable` leaves `step` out of the tensors it hands to
+   `_set_main_param_and_optimizer_states`, which looks up every state key of the optimizer and
+   raises `KeyError: 'step'` (0.19.2, no upstream fix as of 0.19.x).
 
 The fix, at the level of the optimizer state: create torch Adam's state the way its first step
 would (zeros, step 0) before megatron reads it; give each parameter its own `step` after a load;
-and leave `step` to the param groups when the parameter state is loaded, copying under no_grad.
+and leave `step` to the param groups whenever parameter state is loaded (whether or not the
+loaded tensors name it), copying under no_grad.
 Targets megatron-core 0.15.x - 0.19.x installs without Transformer Engine and apex (CPU, bare
 GPU); with TE/apex FusedAdam keeps `step` in the param groups and none of this applies.
 """
@@ -72,8 +77,9 @@ def _apply():
 
     @functools.wraps(set_states)
     def set_states_keeping_step(self, model_param, tensors):
-        if _uses_torch_adam(self) and "step" in tensors:
-            # `step` comes from the param groups (load_state_dict); this value is the template's.
+        if _uses_torch_adam(self):
+            # `step` comes from the param groups (load_state_dict): a value here is the
+            # template's (dp_reshardable), and fully_reshardable passes none at all.
             tensors = {**tensors, "step": None}
         with torch.no_grad():
             set_states(self, model_param, tensors)

@@ -4,7 +4,11 @@ megatron's MoEMetricsTracker divides the summed per-layer aux losses by a layer 
 from the flags (`_count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers)`); it counts an
 MTP layer as MoE whatever its inner layer is, and with a misplaced pipeline split the flags are
 not the model. This patch divides by the MoE layers in the record of the model built
-(built_model.py; MTP applications whose inner layer is MoE included).
+(built_model.py; MTP layers whose inner layer is MoE included, dense ones not). A repeated MTP
+layer (`--mtp-use-repeated-layer`, 0.19.x) is one MoE layer however many depths apply it: its
+router records each depth's loss divided by the depths into one slot, so it counts once
+(megatron adds `mtp_num_layers` for dense and repeated MTP layers alike; Megatron-LM#6748,
+merged after 0.19).
 Targets megatron-core 0.15.x - 0.19.x.
 """
 
@@ -25,6 +29,15 @@ def _not_needed(context: PatchContext) -> str | None:
     return None
 
 
+def moe_layers_logged(built: built_model.BuiltModel) -> int:
+    """The tracker slots the MoE layers built fill: one per MoE decoder layer and per MoE MTP
+    layer (the census counts a repeated MTP layer once per depth it is applied at)."""
+    mtp_moe = built.layers.mtp_moe
+    if getattr(built.config, "mtp_use_repeated_layer", False) and built.config.mtp_num_layers:
+        mtp_moe //= built.config.mtp_num_layers
+    return built.layers.moe + mtp_moe
+
+
 def _apply() -> None:
     from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
     megatron_count = MoEMetricsTracker._count_moe_layers
@@ -35,7 +48,7 @@ def _apply() -> None:
         built = built_model.record()
         if built is None or built.layers.moe_layers_with_mtp == 0:
             return megatron_count(num_layers, moe_layer_freq, mtp_num_layers)
-        return built.layers.moe_layers_with_mtp
+        return moe_layers_logged(built)
 
     _count_moe_layers._per_built_layer = True
     MoEMetricsTracker._count_moe_layers = staticmethod(_count_moe_layers)
@@ -45,7 +58,8 @@ register(Patch(
     name="moe-aux-loss-per-built-layer",
     upstream=UPSTREAM,
     versions=">=0.15,<0.20",
-    summary="averages logged MoE aux losses over the MoE layers built (MTP included) in "
+    summary="averages logged MoE aux losses over the MoE layers built (MoE MTP layers "
+            "included, a repeated one once) in "
             "megatron.core.transformer.moe.moe_logging.MoEMetricsTracker._count_moe_layers",
     not_needed_because=_not_needed,
     apply=_apply,

@@ -3,7 +3,10 @@ when its environment variable names a directory:
 
 * $SNAPSHOT_DIR: after megatron saves or loads a checkpoint, each rank writes a snapshot of its
   optimizer state (every torch optimizer state tensor and main parameter) to
-  {save,load}_rank{R}.pt, and its CUDA RNG tracker states to rng_{save,load}_rank{R}.pt;
+  {save,load}_rank{R}.pt, the same state in model space (per model parameter name: the
+  distributed optimizer's slice of it and where the slice lies) to
+  model_{save<ITER>,load}_rank{R}.pt, and its CUDA RNG tracker states to
+  rng_{save,load}_rank{R}.pt;
 * $GRAD_DIR: after megatron finalizes an iteration's gradients (DP reduction included), each
   rank writes its routers' weight gradients (name -> main_grad) to grads_rank{R}.pt.
 """
@@ -30,11 +33,40 @@ def _optimizer_snapshot(optimizer) -> dict:
     return snapshot
 
 
-def _dump(kind: str, optimizer) -> None:
+def _model_space_snapshot(model, optimizer) -> dict:
+    """name -> the main param and optimizer state tensors this rank's distributed optimizer holds
+    of that model parameter, the flat range [start, end) of the TP-local parameter they cover,
+    and how the parameter is split over tensor parallelism (to reassemble it across layouts)."""
+    from megatron.core import parallel_state as ps
+
+    snapshot = {}
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+                if param not in chained.model_param_group_index_map:
+                    continue
+                expert = not getattr(param, "allreduce", True)
+                split = bool(getattr(param, "tensor_model_parallel", False))
+                held = chained._get_model_param_range_map(param)["param"]
+                state = chained._get_main_param_and_optimizer_states(param)
+                snapshot[name] = {
+                    "start": held.start, "end": held.end, "local_shape": tuple(param.shape),
+                    "partition_dim": param.partition_dim if split else None,
+                    "tp_rank": (ps.get_expert_tensor_parallel_rank() if expert
+                                else ps.get_tensor_model_parallel_rank()),
+                    "state": {key: value.detach().clone() for key, value in state.items()
+                              if key != "step"}}
+    return snapshot
+
+
+def _dump(kind: str, model, optimizer, iteration: int | None = None) -> None:
     from megatron.core import tensor_parallel
 
     directory, rank = os.environ["SNAPSHOT_DIR"], torch.distributed.get_rank()
     torch.save(_optimizer_snapshot(optimizer), os.path.join(directory, f"{kind}_rank{rank}.pt"))
+    model_kind = kind if iteration is None else f"{kind}{iteration}"
+    torch.save(_model_space_snapshot(model, optimizer),
+               os.path.join(directory, f"model_{model_kind}_rank{rank}.pt"))
     rng = {name: state.clone() for name, state
            in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
     torch.save(rng, os.path.join(directory, f"rng_{kind}_rank{rank}.pt"))
@@ -46,13 +78,13 @@ def _observe_checkpoints(training) -> None:
     @functools.wraps(save)
     def save_checkpoint(iteration, model, optimizer, *args, **kwargs):
         result = save(iteration, model, optimizer, *args, **kwargs)
-        _dump("save", optimizer)
+        _dump("save", model, optimizer, iteration)
         return result
 
     @functools.wraps(load)
     def load_checkpoint(model, optimizer, *args, **kwargs):
         result = load(model, optimizer, *args, **kwargs)
-        _dump("load", optimizer)
+        _dump("load", model, optimizer)
         return result
 
     training.save_checkpoint, training.load_checkpoint = save_checkpoint, load_checkpoint
