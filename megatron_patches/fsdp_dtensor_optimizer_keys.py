@@ -14,8 +14,8 @@ different key lists pair different tensors' collectives, and the save (and the l
 builds the same dict) hangs, or on one shared group silently exchanges the wrong shapes.
 
 The fix: the optimizer's fsdp_dtensor state dict gets, for each parameter without state on this
-rank, the entries the other ranks hold for a parameter: a zero DTensor like the parameter (its
-local shard is empty, so nothing is written or read for it) for each DTensor entry, and the
+rank, the entries the other ranks hold for a parameter: a DTensor like the parameter with its
+(empty) local shard, so nothing is written or read for it, for each DTensor entry, and the
 world's largest value for each scalar tensor entry (Adam's `step`, the same on every rank that
 steps). The optimizer itself is not changed. Whether it is needed is decided from behaviour: an
 optimizer holding one parameter without state is asked for its fsdp_dtensor state dict.
@@ -75,6 +75,17 @@ def _entry_kinds(states) -> list[str]:
     return sorted(kinds)
 
 
+def _empty_like(param):
+    """A DTensor like `param` holding this rank's (empty) local shard. Not torch.zeros_like:
+    DTensor would size the local shard from the global shape by even chunks, while
+    Megatron-FSDP's shards are uneven."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(torch.zeros_like(param.to_local()), param.device_mesh,
+                              param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
 def _fill_missing_states(optimizer, state_dict: dict) -> None:
     from megatron_patches import collectives
 
@@ -85,19 +96,25 @@ def _fill_missing_states(optimizer, state_dict: dict) -> None:
         [max((float(s[key]) for s in packed.values() if key in s), default=float("-inf"))
          for key in scalars], op="max")
     scalar_values = dict(zip(scalars, largest))
+    # In parameter order, the same on every rank: megatron's SWiGLU split runs a collective per
+    # entry in dict order (make_fsdp_dtensor's run_check).
+    ordered = {}
     for group in optimizer.optimizer.param_groups:
         for param in group["params"]:
             name = optimizer._param_name(param)
             if name in packed:
+                ordered[name] = packed.pop(name)
                 continue
             state = {}
             for kind in kinds:
                 key, what = kind.split(":")
                 if what == "dtensor":
-                    state[key] = torch.zeros_like(param)
+                    state[key] = _empty_like(param)
                 else:
                     state[key] = torch.tensor(scalar_values[key])
-            packed[name] = state
+            ordered[name] = state
+    ordered.update(packed)
+    state_dict["state"] = ordered
 
 
 def _apply() -> None:
