@@ -1,9 +1,12 @@
 """Megatron-FSDP with expert parallelism trains and saves fsdp_dtensor checkpoints on megatron-core
 0.19.x through pretrain_moe.py (4 CPU ranks, gloo).
 
-What each run goes through:
-* the CPU backend's PREMUL_SUM bridge (fp32 gradient reduction: Megatron-FSDP's fused gradient
-  division is an NCCL PREMUL_SUM, which gloo lacks);
+In fp32 (no --bf16) Megatron-FSDP divides gradients inside the reduction, an NCCL PREMUL_SUM
+that gloo lacks: the CPU backend bridges it (test_fp32_gradient_reduction). megatron-core 0.19.2
+cannot save fp32 Megatron-FSDP fsdp_dtensor checkpoints of this model ("GPTModel has no
+attribute `module`" in its SwiGLU/expert key handling), so that test only trains.
+
+What each checkpoint run goes through:
 * the fsdp-dtensor-optimizer-keys patch (Megatron-LM#4910): small parameters are empty on some
   ranks, which then hold no optimizer state for them; without the patch the save hangs in
   megatron's per-key uneven-DTensor collectives;
@@ -25,8 +28,7 @@ ITERS = 2
 LAYOUTS = {
     # ETP 2 with EP 1: expert weights sharded over ETP and over expert data parallelism (2).
     "etp2-ep1-optim_grads_params": ["--expert-tensor-parallel-size", "2",
-                                    "--data-parallel-sharding-strategy", "optim_grads_params",
-                                    "--accumulate-allreduce-grads-in-fp32"],
+                                    "--data-parallel-sharding-strategy", "optim_grads_params"],
     # Without --swiglu: megatron-core 0.19.2 cannot save a SwiGLU model's optimizer under
     # no_shard (handle_swiglu_in_state_dict reads megatron_fsdp_slice, which only sharded
     # strategies set; Megatron-LM#5265).
@@ -65,3 +67,16 @@ def test_megatron_fsdp_trains_and_saves_audited_checkpoint(layout, tmp_path):
     for tensor in experts:
         assert tensor["global_shape"] == tensor["expected_shape"] == [64, 64], tensor
     assert report["expert_saved_bytes"] == report["expert_expected_bytes"]
+
+
+@pytest.mark.slow
+def test_fp32_gradient_reduction():
+    """Without the bridge every rank fails its first step: "Cannot use ReduceOp.PREMUL_SUM with
+    Gloo"."""
+    fp32_model = [flag for flag in TINY_MODEL if flag != "--bf16"]
+    run = launch(2, [*fp32_model, "--expert-tensor-parallel-size", "2",
+                     "--use-megatron-fsdp", "--use-distributed-optimizer",
+                     "--ckpt-format", "fsdp_dtensor",
+                     "--data-parallel-sharding-strategy", "optim_grads_params",
+                     "--train-iters", str(ITERS)], timeout=300).check()
+    assert f"iteration        {ITERS}/       {ITERS}" in run.log
