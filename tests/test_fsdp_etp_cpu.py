@@ -4,7 +4,7 @@
 In fp32 (no --bf16) Megatron-FSDP divides gradients inside the reduction, an NCCL PREMUL_SUM
 that gloo lacks: the CPU backend bridges it (test_fp32_gradient_reduction). megatron-core 0.19.2
 cannot save fp32 Megatron-FSDP fsdp_dtensor checkpoints of this model ("GPTModel has no
-attribute `module`" in its SwiGLU/expert key handling), so that test only trains.
+attribute `module`" during its fsdp_dtensor save, cause not traced), so that test only trains.
 
 What each checkpoint run goes through:
 * the fsdp-dtensor-optimizer-keys patch (Megatron-LM#4910): small parameters are empty on some
