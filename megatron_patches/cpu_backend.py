@@ -462,9 +462,38 @@ def _meshes_on_cpu() -> None:
     DeviceMesh.from_group = staticmethod(from_group_on_cpu)
 
 
+def _scaling_without_premul_sum(gradient_reduce_preprocessing):
+    """gloo has no PREMUL_SUM (Megatron-FSDP's fused gradient division for non-bf16 grads):
+    scale the gradient first, then SUM, which is the arithmetic NCCL's PREMUL_SUM does."""
+
+    @functools.wraps(gradient_reduce_preprocessing)
+    def preprocess(grad_data, scaling_factor, ddp_config):
+        reduce_op = gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config)
+        if reduce_op == dist.ReduceOp.PREMUL_SUM:
+            grad_data.mul_(scaling_factor)
+            return dist.ReduceOp.SUM
+        return reduce_op
+
+    return preprocess
+
+
+def _patch_megatron_fsdp() -> None:
+    """Bridges between what Megatron-FSDP asks of its process groups and what gloo does."""
+    try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+    except ImportError:
+        return  # no Megatron-FSDP in this megatron-core
+    buffers = param_and_grad_buffer
+    if hasattr(buffers, "gradient_reduce_preprocessing"):
+        buffers.gradient_reduce_preprocessing = _scaling_without_premul_sum(
+            buffers.gradient_reduce_preprocessing)
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import token_dispatcher
+
+    _patch_megatron_fsdp()
 
     # The model-parallel RNG tracker swaps "CUDA" generator states; the CPU generator is ours.
     tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
