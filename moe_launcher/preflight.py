@@ -419,6 +419,17 @@ def check_multi_latent_attention_spec(args) -> None:
                              "installed) or drop --multi-latent-attention")
 
 
+@preflight_check("moe-tensor-parallel-sequence-parallel")
+def check_moe_tensor_parallel_sequence_parallel(args) -> None:
+    # megatron's MoE layer raises this in its first training forward, not in validate_args.
+    if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise PreflightError("--sequence-parallel",
+                             "MoE with --tensor-model-parallel-size "
+                             f"{args.tensor_model_parallel_size} trains only with "
+                             "--sequence-parallel (megatron's MoE layer refuses it at the first "
+                             "step); fix: pass --sequence-parallel")
+
+
 @preflight_check("expert-bias-local-spec")
 def check_expert_bias_local_spec(args) -> None:
     # megatron 0.19.2's local expert MLP adds the bias in place onto the output of its
