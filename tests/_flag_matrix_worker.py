@@ -4,7 +4,8 @@
 
 CASES.json maps a case name to its argv. Each case runs pretrain_moe.main(argv), the launcher's
 whole path (defaults, preflight, megatron's validation, pretrain()), then megatron's own
-destroy_global_state(), its MoE metrics tracker and the process group are torn down so the next case starts clean: one
+destroy_global_state(), its MoE metrics tracker, the expert-load patch's router registry
+and the process group are torn down so the next case starts clean: one
 process start (~8 s of imports) for all of them. RESULTS.json maps each name to
 {"outcome": "trained" | "refused" | "crashed", "detail": ...}; "trained" means pretrain()
 returned having consumed --train-iters x --global-batch-size samples.
@@ -56,6 +57,11 @@ def run_case(argv: list[str]) -> dict:
         destroy_moe_metrics_tracker()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # The expert-load patch's registry of routers outlives the model here (something
+        # still references the old model); one process per run never needs this reset.
+        from megatron_patches import expert_load_metrics
+
+        expert_load_metrics._ROUTERS.clear()
 
 
 def main(cases_path: str, results_path: str) -> None:
