@@ -379,7 +379,8 @@ def check_save_writable(args) -> None:
     try:
         tempfile.TemporaryDirectory(dir=existing, prefix=".pretrain_moe-write-probe-").cleanup()
     except OSError as error:
-        where = "" if existing == os.path.abspath(args.save) else f" (it would be made in {existing})"
+        where = ("" if existing == os.path.abspath(args.save)
+                 else f" (it would be made in {existing})")
         raise PreflightError("--save", f"--save {args.save} cannot be written{where}: "
                                        f"{error.strerror}; fix: pass a --save folder you can "
                                        "write") from None
@@ -413,8 +414,8 @@ def check_moe_expert_parallel_overlap(args) -> None:
 def check_multi_latent_attention_spec(args) -> None:
     if args.multi_latent_attention and args.transformer_impl == "local":
         raise PreflightError("--multi-latent-attention",
-                             "--multi-latent-attention on megatron's local spec (--transformer-impl "
-                             "local) builds an attention without k_channels and fails; fix: pass "
+                             "--multi-latent-attention on megatron's local spec "
+                             "(--transformer-impl local) builds an attention without k_channels and fails; fix: pass "
                              "--transformer-impl transformer_engine (with Transformer Engine "
                              "installed) or drop --multi-latent-attention")
 
