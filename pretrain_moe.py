@@ -27,7 +27,8 @@ def main(argv: list[str]) -> None:
     track = check_environment()
     # Before the first CUDA call (torch.cuda.is_available() starts CUDA): see the function.
     from moe_launcher.platform_defaults import (
-        set_environment_defaults, with_logging_defaults, with_platform_defaults)
+        set_environment_defaults, with_logging_defaults, with_model_defaults,
+        with_platform_defaults)
     environment_lines = set_environment_defaults(argv, os.environ)
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
@@ -41,32 +42,24 @@ def main(argv: list[str]) -> None:
     for status in registry.apply_patches(registry.current_context(cpu_backend=on_cpu)):
         log0(status.line())
     argv, platform_lines = with_platform_defaults(argv, on_cpu=on_cpu)
+    argv, model_lines = with_model_defaults(argv)
     argv, logging_lines = with_logging_defaults(argv)
-    for line in platform_lines + logging_lines + environment_lines:
+    for line in platform_lines + model_lines + logging_lines + environment_lines:
         log0(line)
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args, parse_args
-
-    from moe_launcher import preflight
 
     from moe_launcher.data import train_valid_test_datasets
     from moe_launcher.gpt_step import forward_step
+    from moe_launcher.megatron_validation import checked_command_line, set_megatron_globals
 
-    sys.argv = [sys.argv[0], *argv]
-    # Refuse flags that cannot run before megatron validates, initialises or builds anything.
-    preflight.check_args(parse_args())
-    args = parse_and_validate_args()
+    # Refuse a command line that cannot run before megatron initialises, builds or writes
+    # anything: this project's checks, then megatron's own validation and config construction.
+    args, config = checked_command_line(argv)
+    set_megatron_globals(args)
     log0(f"[pretrain_moe] megatron-core {track} track, "
          f"{'CPU backend (gloo)' if on_cpu else 'CUDA'}, transformer-impl {args.transformer_impl}")
-    if args.hybrid_layer_pattern:
-        from moe_launcher.hybrid_spec import hybrid_model_config
-        model_config = hybrid_model_config(args)
-    else:
-        model_config = gpt_config_from_args(args)
-    config = pretrain_cfg_container_from_args(args, model_config)
     pretrain(config, train_valid_test_datasets, ModelType.encoder_or_decoder, forward_step)
 
 

@@ -68,6 +68,28 @@ def _add_missing(argv: list[str], defaults) -> tuple[list[str], list[str]]:
     return argv + added, lines
 
 
+def _model_defaults(argv: list[str]) -> tuple[PlatformDefault, ...]:
+    """Settings megatron defaults to but cannot train with for this model."""
+    moe = _flag_value(argv, "--num-experts") not in (None, "0")
+    gated = "--swiglu" in argv or "--quick-geglu" in argv
+    with_bias = "--disable-bias-linear" not in argv  # without bias megatron drops the fusion
+    # megatron fuses bias + GELU by default (--no-bias-gelu-fusion turns it off), but its
+    # config refuses that fusion for squared ReLU, and its expert MLP has no fused GELU with
+    # the routing probabilities ("Only support fusion of swiglu and quick_gelu with
+    # per_token_scale in MLP", at the first step).
+    if with_bias and ("--squared-relu" in argv or (moe and not gated)):
+        activation = "squared ReLU" if "--squared-relu" in argv else "GELU MoE experts"
+        return (PlatformDefault(("--no-bias-gelu-fusion",),
+                                f"{activation}: megatron has no fused bias-activation kernel "
+                                "for them"),)
+    return ()
+
+
+def with_model_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv with the model settings megatron would crash on replaced, unless the user decided."""
+    return _add_missing(argv, _model_defaults(argv))
+
+
 def _flag_value(argv: list[str], flag: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):

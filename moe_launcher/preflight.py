@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import tempfile
 from typing import Callable
 
 EXIT_STATUS = 2
@@ -221,6 +223,14 @@ def check_batch(args) -> None:
                              "pass --eval-interval N")
 
 
+@preflight_check("training-length")
+def check_training_length(args) -> None:
+    if args.train_iters is None and args.train_samples is None:
+        raise PreflightError("--train-iters", "neither --train-iters nor --train-samples is set: "
+                                              "megatron needs to know how long to train; fix: "
+                                              "pass --train-iters N (or --train-samples N)")
+
+
 @preflight_check("checkpoint-format")
 def check_checkpoint_format(args) -> None:
     # Megatron-FSDP in 0.19.2 saves only fsdp_dtensor.
@@ -316,6 +326,126 @@ def check_data_path(args) -> None:
                                     if len(missing) > 1 else "")
                                  + "; fix: pass the prefix of an indexed dataset (the path "
                                  "without .bin/.idx) or --mock-data")
+
+
+@preflight_check("router-top-k")
+def check_router_top_k(args) -> None:
+    experts, top_k = args.num_experts, args.moe_router_topk
+    if not experts:
+        return
+    if top_k > experts:
+        raise PreflightError("--moe-router-topk",
+                             f"--moe-router-topk {top_k} is more than --num-experts {experts}: "
+                             f"a token cannot go to {top_k} different experts; fix: pass "
+                             f"--moe-router-topk of at most {experts}")
+    groups, group_top_k = args.moe_router_num_groups, args.moe_router_group_topk
+    if not (groups and group_top_k):
+        return  # megatron's TransformerConfig names what is missing
+    if experts % groups:
+        return  # megatron's TransformerConfig refuses it with its own message
+    if group_top_k > groups:
+        raise PreflightError("--moe-router-group-topk",
+                             f"--moe-router-group-topk {group_top_k} is more than "
+                             f"--moe-router-num-groups {groups}; fix: pass "
+                             f"--moe-router-group-topk of at most {groups}")
+    reachable = group_top_k * (experts // groups)
+    if top_k > reachable:
+        raise PreflightError("--moe-router-topk",
+                             f"--moe-router-topk {top_k} is more than the {reachable} experts of "
+                             f"the --moe-router-group-topk {group_top_k} groups a token may use "
+                             f"({experts // groups} experts per group of "
+                             f"--moe-router-num-groups {groups}); fix: raise "
+                             f"--moe-router-group-topk or lower --moe-router-topk to {reachable}")
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+@preflight_check("save-writable")
+def check_save_writable(args) -> None:
+    # Probed, not guessed (root passes every permission test, and a read-only mount or /proc
+    # refuses root too): a temporary folder made and removed in --save, or in the nearest
+    # folder above it that exists, so nothing is left behind.
+    if not args.save:
+        return
+    existing = _nearest_existing(args.save)
+    if not os.path.isdir(existing):
+        raise PreflightError("--save", f"--save {args.save}: {existing} is a file, not a folder; "
+                                       "fix: pass a folder path for --save")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".pretrain_moe-write-probe-").cleanup()
+    except OSError as error:
+        where = ("" if existing == os.path.abspath(args.save)
+                 else f" (it would be made in {existing})")
+        raise PreflightError("--save", f"--save {args.save} cannot be written{where}: "
+                                       f"{error.strerror}; fix: pass a --save folder you can "
+                                       "write") from None
+
+
+@preflight_check("load-exists")
+def check_load_exists(args) -> None:
+    # megatron warns about a missing --load and trains from random weights. The one missing
+    # --load that is meant is the run's own --save before its first checkpoint (a job that
+    # requeues itself passes --load == --save from the start).
+    if not args.load or os.path.exists(args.load):
+        return
+    if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
+        return
+    raise PreflightError("--load", f"--load {args.load} does not exist (megatron would start from "
+                                   "random weights); fix: pass an existing checkpoint folder, or "
+                                   "drop --load to start fresh")
+
+
+@preflight_check("moe-expert-parallel-overlap")
+def check_moe_expert_parallel_overlap(args) -> None:
+    if args.overlap_moe_expert_parallel_comm:
+        raise PreflightError("--overlap-moe-expert-parallel-comm",
+                             "--overlap-moe-expert-parallel-comm runs megatron's combined 1F1B "
+                             "schedule, which needs a forward step that returns a schedule plan "
+                             "(return_schedule_plan); pretrain_moe's forward step does not; fix: "
+                             "drop --overlap-moe-expert-parallel-comm")
+
+
+@preflight_check("multi-latent-attention-spec")
+def check_multi_latent_attention_spec(args) -> None:
+    if args.multi_latent_attention and args.transformer_impl == "local":
+        raise PreflightError("--multi-latent-attention",
+                             "--multi-latent-attention on megatron's local spec "
+                             "(--transformer-impl local) builds an attention without k_channels and fails; fix: pass "
+                             "--transformer-impl transformer_engine (with Transformer Engine "
+                             "installed) or drop --multi-latent-attention")
+
+
+@preflight_check("moe-tensor-parallel-sequence-parallel")
+def check_moe_tensor_parallel_sequence_parallel(args) -> None:
+    # megatron's MoE layer raises this in its first training forward, not in validate_args.
+    if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise PreflightError("--sequence-parallel",
+                             "MoE with --tensor-model-parallel-size "
+                             f"{args.tensor_model_parallel_size} trains only with "
+                             "--sequence-parallel (megatron's MoE layer refuses it at the first "
+                             "step); fix: pass --sequence-parallel")
+
+
+@preflight_check("expert-bias-local-spec")
+def check_expert_bias_local_spec(args) -> None:
+    # megatron 0.19.2's local expert MLP adds the bias in place onto the output of its
+    # row-parallel reduce, which at expert tensor parallel size 1 is its input returned as is:
+    # autograd refuses that at the first step ("Output 0 of _ReduceFromModelParallelRegion is a
+    # view and is being modified inplace"). Seen at ETP 1; other sizes are left to megatron.
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if (args.num_experts and args.add_bias_linear and args.transformer_impl == "local"
+            and not args.moe_grouped_gemm and etp == 1):
+        raise PreflightError("--disable-bias-linear",
+                             "MoE experts with bias on megatron's local spec (--transformer-impl "
+                             "local, expert tensor parallel size 1) fail at the first step in "
+                             "megatron-core's expert MLP (in-place bias add on a reduce output); "
+                             "fix: pass --disable-bias-linear, or use --transformer-impl "
+                             "transformer_engine")
 
 
 def check_args(args, only: tuple[str, ...] | None = None) -> None:

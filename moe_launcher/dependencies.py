@@ -1,0 +1,96 @@
+"""Which Megatron-LM features need which optional package, and the refusal when one is missing.
+
+megatron accepts these flags on any install and fails only once it uses the feature: after
+process groups and the model are built, or at the first step (DeepEP's dispatcher, TE's
+permute fusion and grouped GEMM, FP8, userbuffers, the HuggingFace tokenizer's NameError). Each
+row of `REQUIREMENTS` names a feature, how to tell the command line asks for it, and the
+package it needs; a command line that asks for a feature whose package is not importable is
+refused before any work, with the install or the flag to drop. Where the package is present
+the flag passes unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Callable
+
+from moe_launcher.preflight import PreflightError, preflight_check
+
+
+@dataclasses.dataclass(frozen=True)
+class Package:
+    module: str  # the import name whose presence decides
+    install: str  # how to get it
+
+
+TRANSFORMER_ENGINE = Package("transformer_engine",
+                             "install Transformer Engine (the NGC PyTorch image has it)")
+DEEP_EP = Package("deep_ep", "install DeepEP (github.com/deepseek-ai/DeepEP)")
+TRANSFORMERS = Package("transformers", "pip install transformers")
+SENTENCEPIECE = Package("sentencepiece", "pip install sentencepiece")
+TIKTOKEN = Package("tiktoken", "pip install tiktoken")
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirement:
+    flag: str  # the flag as the user wrote it, named in the refusal
+    asks: Callable  # (megatron's parsed args) -> whether this command line uses the feature
+    package: Package
+    alternative: str  # the flag change that avoids the feature
+
+
+REQUIREMENTS = (
+    Requirement("--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend deepep)",
+                lambda a: a.moe_token_dispatcher_type == "flex"
+                and a.moe_flex_dispatcher_backend == "deepep",
+                DEEP_EP, "--moe-token-dispatcher-type alltoall"),
+    Requirement("--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend hybridep)",
+                lambda a: a.moe_token_dispatcher_type == "flex"
+                and a.moe_flex_dispatcher_backend == "hybridep",
+                DEEP_EP, "--moe-token-dispatcher-type alltoall"),
+    Requirement("--moe-permute-fusion", lambda a: a.moe_permute_fusion,
+                TRANSFORMER_ENGINE, "drop --moe-permute-fusion"),
+    Requirement("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,
+                TRANSFORMER_ENGINE, "drop --moe-grouped-gemm"),
+    Requirement("--fp8-format", lambda a: a.fp8 is not None,
+                TRANSFORMER_ENGINE, "drop --fp8-format (train in --bf16)"),
+    Requirement("--fp4-format", lambda a: getattr(a, "fp4", None) is not None,
+                TRANSFORMER_ENGINE, "drop --fp4-format (train in --bf16)"),
+    Requirement("--tp-comm-overlap", lambda a: a.tp_comm_overlap,
+                TRANSFORMER_ENGINE, "drop --tp-comm-overlap"),
+    Requirement("--moe-latent-size", lambda a: a.moe_latent_size is not None,
+                TRANSFORMER_ENGINE, "drop --moe-latent-size"),
+    Requirement("--use-precision-aware-optimizer", lambda a: a.use_precision_aware_optimizer,
+                TRANSFORMER_ENGINE, "drop --use-precision-aware-optimizer"),
+    Requirement("--tokenizer-type HuggingFaceTokenizer",
+                lambda a: a.tokenizer_type == "HuggingFaceTokenizer",
+                TRANSFORMERS, "another --tokenizer-type"),
+    Requirement("--tokenizer-type SentencePieceTokenizer/GPTSentencePieceTokenizer/"
+                "Llama2Tokenizer",
+                lambda a: a.tokenizer_type in ("SentencePieceTokenizer",
+                                               "GPTSentencePieceTokenizer", "Llama2Tokenizer"),
+                SENTENCEPIECE, "another --tokenizer-type"),
+    Requirement("--tokenizer-type TikTokenizer", lambda a: a.tokenizer_type == "TikTokenizer",
+                TIKTOKEN, "another --tokenizer-type"),
+)
+
+
+def installed(package: Package) -> bool:
+    return importlib.util.find_spec(package.module) is not None
+
+
+def first_missing(args, available: Callable[[Package], bool] = installed) -> Requirement | None:
+    """The first requirement this command line asks for whose package is not available."""
+    return next((r for r in REQUIREMENTS if r.asks(args) and not available(r.package)), None)
+
+
+@preflight_check("optional-packages")
+def check_optional_packages(args) -> None:
+    missing = first_missing(args)
+    if missing:
+        flag = missing.flag.split()[0]
+        raise PreflightError(flag,
+                             f"{missing.flag} needs the `{missing.package.module}` package, "
+                             f"which is not installed; fix: {missing.package.install}, or "
+                             f"{missing.alternative}")

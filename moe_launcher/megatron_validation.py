@@ -1,0 +1,138 @@
+"""megatron's own checks of a command line, run before any work; a failure is a refusal.
+
+megatron checks its flags in `validate_args` and again when it builds its configs
+(TransformerConfig.__post_init__, the pretrain config container). Left to itself a failed
+check is a traceback on every rank (a bare AssertionError for some). Here the same functions
+run, unchanged, before process groups, model or checkpoint exist, and a failure becomes a
+`PreflightError`: one line naming the flags the failed check reads and megatron's reason.
+
+megatron's `parse_and_validate_args` sets its globals (tokenizer, TensorBoard writer, which
+creates --tensorboard-dir) between validating and the config, so the pieces run here in an
+order where every check comes before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import re
+import traceback
+
+from moe_launcher.preflight import PreflightError
+
+# Names in megatron's checks that are config fields rather than flag destinations.
+_CONFIG_FIELD_FLAGS = {"num_moe_experts": "--num-experts", "seq_length": "--seq-length"}
+
+
+@functools.cache
+def _flag_of_dest() -> dict[str, str]:
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return {action.dest: action.option_strings[0] for action in parser._actions
+            if action.option_strings}
+
+
+def _megatron_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the failure inside megatron's sources."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if f"{os.sep}megatron{os.sep}" in frame.filename]
+    return frames[-1] if frames else None
+
+
+def _flags_named(text: str) -> list[str]:
+    """The Megatron-LM flags a check's message or source line refers to, in order."""
+    known = _flag_of_dest()
+    flags = re.findall(r"--[a-z0-9][a-z0-9_-]*", text)
+    for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        flag = _CONFIG_FIELD_FLAGS.get(name) or known.get(name)
+        if flag and "_" in name + flag:  # a bare word like "fp8" alone is too ambiguous
+            flags.append(flag)
+    return [flag for i, flag in enumerate(flags) if flag in known.values() and
+            flag not in flags[:i]]
+
+
+def refusal(error: BaseException) -> PreflightError:
+    frame = _megatron_frame(error)
+    reason = " ".join(str(error).split()) or (frame.line if frame and frame.line else "")
+    if isinstance(error, AssertionError) and not str(error) and frame and frame.line:
+        reason = f"check failed: {frame.line.strip()}"
+    where = (f" ({frame.filename.split(os.sep + 'megatron' + os.sep, 1)[-1]}:{frame.lineno})"
+             if frame else "")
+    flags = _flags_named(f"{error} {frame.line if frame else ''}")
+    named = "/".join(flags[:4]) if flags else "the flags megatron's check names"
+    return PreflightError(flags[0] if flags else "megatron",
+                          f"{named}: megatron refuses this command line: "
+                          f"{type(error).__name__}: {reason}{where}; fix: change {named} so "
+                          "that megatron's check holds")
+
+
+@contextlib.contextmanager
+def megatron_refusals():
+    """A failure of megatron's checks inside the block becomes a PreflightError."""
+    try:
+        yield
+    except PreflightError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- any failed check is a refusal, see refusal()
+        raise refusal(error) from None
+
+
+def validated_args(args: argparse.Namespace) -> argparse.Namespace:
+    """megatron's validation of parsed args (as in parse_and_validate_args, globals not set)."""
+    with megatron_refusals():
+        if args.use_checkpoint_args:
+            from megatron.training.checkpointing import load_args_from_checkpoint
+
+            load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+            load_args_from_checkpoint(args)
+        if args.yaml_cfg is not None:
+            from megatron.training.yaml_arguments import validate_yaml
+
+            return validate_yaml(args, {})
+        from megatron.training.arguments import validate_args
+
+        validate_args(args, {})
+        return args
+
+
+def pretrain_config(args: argparse.Namespace):
+    """megatron's model config (GPT, or HybridModel for --hybrid-layer-pattern) and pretrain
+    config container for validated args."""
+    from megatron.training.argument_utils import (
+        gpt_config_from_args, pretrain_cfg_container_from_args)
+
+    with megatron_refusals():
+        if args.hybrid_layer_pattern:
+            from moe_launcher.hybrid_spec import hybrid_model_config
+            model_config = hybrid_model_config(args)
+        else:
+            model_config = gpt_config_from_args(args)
+        return pretrain_cfg_container_from_args(args, model_config)
+
+
+def set_megatron_globals(args: argparse.Namespace) -> None:
+    """megatron's globals (tokenizer, loggers); a tokenizer that cannot be built is refused."""
+    from megatron.training.global_vars import set_global_variables
+
+    with megatron_refusals():
+        set_global_variables(args)
+
+
+def checked_command_line(argv: list[str]):
+    """Every check a command line gets before any work: megatron's parser, this project's
+    preflight checks (moe_launcher.preflight, moe_launcher.dependencies), megatron's validation
+    and its config construction. Returns (args, pretrain config); raises PreflightError."""
+    import sys
+
+    from megatron.training.arguments import parse_args
+
+    from moe_launcher import dependencies, preflight  # noqa: F401 -- registers its checks
+
+    sys.argv = [sys.argv[0], *argv]
+    args = parse_args()
+    preflight.check_args(args)
+    args = validated_args(args)
+    return args, pretrain_config(args)
