@@ -407,9 +407,19 @@ def load_problems(sharded_state_dict: Any, checkpoint_dir: str) -> list[tuple[st
         saved, dims, layouts = _checkpoint_for_load(checkpoint_dir)
     except UnreadableCheckpoint as e:
         return [(DAMAGE, str(e))]
-    problems = set()
-    for sh in sharded_tensors(sharded_state_dict):
-        if sh.key in saved:  # missing keys are megatron's strict-loading business
+    return judge_against_saved(sharded_tensors(sharded_state_dict), saved, dims, layouts)
+
+
+def judge_against_saved(shardings: list[ShardedTensor], saved: dict[str, SavedTensor],
+                        dims: ModelDims | None, layouts: tuple) -> list[tuple[str, str]]:
+    """(kind, problem) for this rank's ShardedTensors against the checkpoint's tensors; each
+    tensor is judged once (a rank holds many pieces of one key: experts, optimizer states)."""
+    problems, judged = set(), set()
+    for sh in shardings:
+        question = (sh.key, tuple(sh.global_shape), sh.allow_shape_mismatch)
+        # missing keys are megatron's strict-loading business
+        if sh.key in saved and question not in judged:
+            judged.add(question)
             found = _judge_saved(sh.key, sh.global_shape, sh.allow_shape_mismatch, saved[sh.key],
                                  dims, layouts)
             if found:
