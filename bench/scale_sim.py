@@ -287,11 +287,12 @@ def main() -> None:
         for world in map(int, options.sizes.split(",")):
             r = simulate(MODELS[name], world)
             ours = r["save_guard_s"] + r["integrity_s"]
-            print(f"{r['model']:14s} ranks {world:5d} {' '.join(f'{k}{v}' for k, v in r['layout'].items())}"
-                  f": {r['shards']:8d} shards, {r['chunks_saved']:7d} saved chunks | megatron check "
-                  f"{r['megatron_s']:7.2f} s | save guard {r['save_guard_s']:6.2f} s, load guard "
-                  f"(1 rank) {r['load_guard_s']:5.2f} s, integrity (rank 0) {r['integrity_s']:5.2f} s "
-                  f"= {ours / r['megatron_s']:.3f} of megatron's | peak {r['peak_mib']:7.0f} MiB | "
+            layout = " ".join(f"{k}{v}" for k, v in r["layout"].items())
+            print(f"{r['model']:14s} ranks {world:5d} {layout}: {r['shards']:8d} shards, "
+                  f"{r['chunks_saved']:7d} saved chunks | megatron check {r['megatron_s']:7.2f} s"
+                  f" | save guard {r['save_guard_s']:6.2f} s, load guard (1 rank) "
+                  f"{r['load_guard_s']:5.2f} s, integrity (rank 0) {r['integrity_s']:5.2f} s = "
+                  f"{ours / r['megatron_s']:.3f} of megatron's | peak {r['peak_mib']:7.0f} MiB | "
                   f"load FS ops: rank 0 {r['integrity_ops_rank0'] + 3}, others 3, total "
                   f"{r['load_ops_total']} (before: {r['load_ops_total_before']}); commit fsyncs: "
                   f"1 per rank + 4 on rank 0", flush=True)
