@@ -13,10 +13,11 @@ or a resumed run that saves the iteration it loaded) rewrites those files in pla
 
 * every rank writes into a staging directory `<save>/_partial_iter_XXXXXXX` (megatron's
   `get_checkpoint_name` is redirected for that one iteration during the call);
-* megatron's own tracker write goes to a scratch file; after megatron's final barrier rank 0
-  fsyncs the staged files, renames the staging directory to `iter_XXXXXXX` (an existing one is
-  first renamed to `_replaced_iter_XXXXXXX`) and then writes the tracker last, as
-  write-temp + fsync + `os.replace` + fsync of the directory;
+* megatron's own tracker write goes to a scratch file; after megatron's final barrier every rank
+  fsyncs the files it wrote (in parallel: a commit costs one rank's files), then rank 0 fsyncs
+  the rest (.metadata, common state, directories), renames the staging directory to
+  `iter_XXXXXXX` (an existing one is first renamed to `_replaced_iter_XXXXXXX`) and then writes
+  the tracker last, as write-temp + fsync + `os.replace` + fsync of the directory;
 * a failing save (disk full, a dead rank) raises `CheckpointSaveError` naming the directory;
   the previous checkpoint and the tracker are untouched and the staging directory is removed.
 
@@ -42,11 +43,11 @@ request; once the tracker names the new iteration the older directory is renamed
 naming a complete directory; a crash between the tracker write and the rename keeps the older
 iteration (complete, untracked) instead of deleting it.
 
-"checkpoint-load-integrity" wraps `load_checkpoint` the same way: every rank resolves the
+"checkpoint-load-integrity" wraps `load_checkpoint` the same way: rank 0 resolves the
 checkpoint the tracker (or --ckpt-step) names and checks it before megatron reads it -- the
 tracker parses, the iteration directory exists, `.metadata` exists and unpickles, and every
 `.distcp` file it references exists and is long enough for the byte ranges it lists. The
-findings are gathered on all ranks, so every rank refuses with the same message
+findings are shared with all ranks, so every rank refuses with the same message
 (`CheckpointLoadError`, naming the directory, the tensor and the problem) instead of one rank
 failing while the others wait in a collective. This complements the #1836 layout guard
 (checkpoint_guard), which judges tensor shapes, not files.
@@ -54,6 +55,7 @@ failing while the others wait in a collective. This complements the #1836 layout
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -61,6 +63,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -102,14 +105,42 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: str) -> None:
-    for root, _, files in os.walk(path):
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# torch_dist and fsdp_dtensor name each rank's files `[<group>]__<rank>_<n>.distcp`.
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+def _writer_rank(name: str) -> int | None:
+    match = _RANK_FILE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def fsync_own_files(staging: str, rank: int) -> int:
+    """Fsyncs the files rank `rank` wrote into `staging` (on NFS/Lustre only the writing client
+    can flush its data), several at a time; returns how many. Every rank runs it at once, so a
+    commit costs one rank's files, not the whole job's one after another on rank 0."""
+    own = [os.path.join(staging, name) for name in os.listdir(staging)
+           if _writer_rank(name) == rank]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(own) or 1)) as pool:
+        list(pool.map(_fsync_file, own))
+    return len(own)
+
+
+def _fsync_unowned(staging: str, world_size: int) -> None:
+    """Fsyncs what no rank of `world_size` claims by name (.metadata, common state, files of
+    other naming schemes), and every directory (rank 0, after all ranks synced their own)."""
+    for root, _, files in os.walk(staging):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            writer = _writer_rank(name) if root == staging else None
+            if writer is None or not 0 <= writer < world_size:
+                _fsync_file(os.path.join(root, name))
         _fsync_dir(root)
 
 
@@ -184,11 +215,12 @@ def recover(save_dir: str) -> list[str]:
 
 
 def commit(save_dir: str, dirname: str, tracker_value: str) -> None:
-    """Publishes the staged iteration directory, then the tracker (rank 0)."""
+    """Publishes the staged iteration directory, then the tracker (rank 0), once every rank has
+    synced its own files (`fsync_own_files`)."""
     staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
     final = os.path.join(save_dir, dirname)
     replaced = os.path.join(save_dir, REPLACED_PREFIX + dirname)
-    _fsync_tree(staging)
+    _fsync_unowned(staging, collectives.world_size())
     if os.path.lexists(final):
         os.rename(final, replaced)
     os.rename(staging, final)
@@ -528,6 +560,19 @@ def _say_once_if_retention_not_deferred(checkpointing, margs) -> None:
               "their deletion is not deferred past the commit", flush=True)
 
 
+def _fsync_own_files_everywhere(staging: str) -> None:
+    """Every rank syncs its own files; a rank that cannot makes every rank raise, instead of
+    leaving the others in the commit barrier."""
+    try:
+        failure = None
+        fsync_own_files(staging, collectives.rank())
+    except OSError as exc:
+        failure = f"rank {collectives.rank()} could not fsync its files: {exc}"
+    failures = [f for f in collectives.gather_objects(failure) if f]
+    if failures:
+        raise OSError(errno.EIO, "; ".join(failures))
+
+
 def _wrap_save(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
@@ -556,6 +601,7 @@ def _wrap_save(original: Callable) -> Callable:
         try:
             with _redirected(checkpointing, save_dir, dirname, scratch, retention) as after_commit:
                 result = original(*args, **kwargs)
+            _fsync_own_files_everywhere(staging)
             if rank0:
                 commit(save_dir, dirname, "release" if release else str(iteration))
                 if os.path.exists(scratch):
@@ -613,8 +659,13 @@ def _wrap_load(original: Callable) -> Callable:
         if margs.save and hasattr(checkpointing.save_checkpoint, _MARK):
             _own(margs.save, create=False)
         if load_dir and os.path.isdir(load_dir):  # read only: it may be another job's
-            problems = collectives.union(load_problems(load_dir, getattr(margs, "ckpt_step", None),
-                                                       getattr(margs, "ckpt_format", None)))
+            # One rank reads the files (on a shared filesystem every rank sees the same ones:
+            # 1,024 ranks stat-ing every .distcp file is millions of metadata operations), all
+            # ranks get its verdict.
+            problems = collectives.union(
+                load_problems(load_dir, getattr(margs, "ckpt_step", None),
+                              getattr(margs, "ckpt_format", None))
+                if collectives.rank() == 0 else [])
             if problems:
                 raise CheckpointLoadError(" | ".join(problems))
         return original(*args, **kwargs)
@@ -665,7 +716,7 @@ register(Patch(
     upstream="local (megatron reads damaged files rank by rank; no pre-load check)",
     versions=">=0.15,<0.20",
     summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "
-            "and .distcp sizes on every rank and refuses a damaged checkpoint on all of them",
+            "and .distcp sizes (on rank 0) and refuses a damaged checkpoint on every rank",
     not_needed_because=_load_check_not_needed,
     apply=lambda: _install("load_checkpoint", _wrap_load),
 ))

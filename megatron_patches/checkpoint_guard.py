@@ -17,6 +17,10 @@ Save guard ("checkpoint-completeness-guard"):
 * tiling: on the metadata megatron has already all-gathered for its own check (or, where it
   skips that gather, on our own), every rank checks that main replicas cover each tensor once,
   so every rank raises the same error instead of rank 0 alone.
+* with --ckpt-assume-constant-structure (megatron then checks and gathers once, at the first
+  save) both checks run once per structure: later saves whose sharded entries are unchanged on
+  every rank (one small all-gather of a flag) reuse the verdict instead of re-gathering all
+  ranks' metadata and walking every parameter.
 
 Load guard ("checkpoint-load-guard"): before megatron reads anything it compares the
 checkpoint's `.metadata` with the state dict of the model being loaded into and with the args
@@ -48,7 +52,13 @@ from torch.distributed.tensor import DTensor
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import serialization, state_dict_utils
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedBase,
+    ShardedTensor,
+    ShardedTensorFactory,
+    is_main_replica,
+)
 from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.validation import determine_global_metadata
 
@@ -143,6 +153,34 @@ def refuse_wrong_model_shapes(state_dict: dict, model_chunks: Any, group=None) -
             f"signature).{_listing(problems)}")
 
 
+# --ckpt-assume-constant-structure: megatron checks the sharding of its first save and reuses
+# that; the guard's checks likewise run once per structure. check name -> the fingerprint of
+# the structure (this rank's) that passed it.
+_passed_structures: dict[str, int] = {}
+
+
+def _structure_fingerprint(tree: Any, extra: tuple = ()) -> int:
+    """What a check's verdict depends on: each sharded entry's key, shapes, offsets, replica
+    and flat range (this rank's; not the data)."""
+    entries = []
+    for value in nested_values(tree):
+        if isinstance(value, ShardedTensorFactory):
+            entries.append((value.key, tuple(value.data.shape), str(value.replica_id)))
+        elif isinstance(value, ShardedBase):
+            flat = getattr(value, "flattened_range", None)
+            entries.append((value.key, tuple(value.global_shape), tuple(value.global_offset),
+                            tuple(getattr(value, "local_shape", ())), str(value.replica_id),
+                            (flat.start, flat.stop) if flat is not None else None))
+    return hash((extra, tuple(entries)))
+
+
+def _passed_before(check: str, fingerprint: int | None) -> bool:
+    """Whether every rank's structure is the one that passed `check` (collective; a
+    `fingerprint` of None, no constant structure assumed, never passed before)."""
+    return not collectives.any_rank(
+        fingerprint is None or _passed_structures.get(check) != fingerprint)
+
+
 def _guard_generate_state_dict(original: Callable) -> Callable:
     signature = inspect.signature(original)
 
@@ -150,9 +188,19 @@ def _guard_generate_state_dict(original: Callable) -> Callable:
     def generate_state_dict(*args, **kwargs):
         state_dict = original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
+        margs, model = bound.arguments["args"], bound.arguments["model"]
         # These formats build the state dict on every rank (the legacy `torch` format does not).
-        if getattr(bound.arguments["args"], "ckpt_format", None) in ("torch_dist", "fsdp_dtensor"):
-            refuse_wrong_model_shapes(state_dict, bound.arguments["model"])
+        if getattr(margs, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor"):
+            fingerprint = None
+            if getattr(margs, "ckpt_assume_constant_structure", False):
+                chunks = model if isinstance(model, (list, tuple)) else [model]
+                fingerprint = _structure_fingerprint(
+                    {k: v for k, v in state_dict.items() if str(k).startswith("model")},
+                    tuple(id(chunk) for chunk in chunks))
+            if not _passed_before("model shapes", fingerprint):
+                refuse_wrong_model_shapes(state_dict, model)
+                if fingerprint is not None:
+                    _passed_structures["model shapes"] = fingerprint
         return state_dict
 
     setattr(generate_state_dict, _MARK, True)
@@ -223,9 +271,14 @@ def _guard_save_preprocess(original: Callable) -> Callable:
     def save_preprocess(sharded_state_dict, validate_access_integrity=True, *args, **kwargs):
         sharded_part, common_state_dict = original(
             sharded_state_dict, validate_access_integrity, *args, **kwargs)
-        if not validate_access_integrity:
-            # Megatron skipped its gather (e.g. --ckpt-assume-constant-structure): do our own.
+        fingerprint = _structure_fingerprint(sharded_part)
+        if validate_access_integrity:  # megatron's check, and the guard's in it, passed
+            _passed_structures["tiling"] = fingerprint
+        elif not _passed_before("tiling", fingerprint):
+            # Megatron skipped its gather (--ckpt-assume-constant-structure: it checked the
+            # first save's structure). Gather and check once per structure likewise.
             enforce_complete_layout(determine_global_metadata(sharded_part)[1])
+            _passed_structures["tiling"] = fingerprint
         return sharded_part, common_state_dict
 
     setattr(save_preprocess, _MARK, True)
@@ -341,8 +394,9 @@ def _judge_saved(key: str, model_shape, allow_shape_mismatch: bool, saved: Saved
 
 
 def _checkpoint_for_load(checkpoint_dir: str):
-    """(tensors, dims, (saved layout, current layout)) or the reason it cannot be read."""
-    meta = read_checkpoint_metadata(str(checkpoint_dir), with_args=True)
+    """(tensors, dims, (saved layout, current layout)) or the reason it cannot be read. Reads
+    `.metadata` once and stats no .distcp file (checkpoint-load-integrity checks the files)."""
+    meta = read_checkpoint_metadata(str(checkpoint_dir), with_args=True, with_payload=False)
     dims = ModelDims.from_args(meta.args) if meta.args is not None else None
     return meta.tensors, dims, (_saved_layout(meta.args), _current_layout())
 
@@ -353,9 +407,19 @@ def load_problems(sharded_state_dict: Any, checkpoint_dir: str) -> list[tuple[st
         saved, dims, layouts = _checkpoint_for_load(checkpoint_dir)
     except UnreadableCheckpoint as e:
         return [(DAMAGE, str(e))]
-    problems = set()
-    for sh in sharded_tensors(sharded_state_dict):
-        if sh.key in saved:  # missing keys are megatron's strict-loading business
+    return judge_against_saved(sharded_tensors(sharded_state_dict), saved, dims, layouts)
+
+
+def judge_against_saved(shardings: list[ShardedTensor], saved: dict[str, SavedTensor],
+                        dims: ModelDims | None, layouts: tuple) -> list[tuple[str, str]]:
+    """(kind, problem) for this rank's ShardedTensors against the checkpoint's tensors; each
+    tensor is judged once (a rank holds many pieces of one key: experts, optimizer states)."""
+    problems, judged = set(), set()
+    for sh in shardings:
+        question = (sh.key, tuple(sh.global_shape), sh.allow_shape_mismatch)
+        # missing keys are megatron's strict-loading business
+        if sh.key in saved and question not in judged:
+            judged.add(question)
             found = _judge_saved(sh.key, sh.global_shape, sh.allow_shape_mismatch, saved[sh.key],
                                  dims, layouts)
             if found:

@@ -54,8 +54,21 @@ def resolve_iteration_dir(path: str) -> str:
     return path
 
 
-def read_checkpoint_metadata(path: str, with_args: bool = True) -> CheckpointMetadata:
-    """Reads `.metadata` (and, with_args, the saved args) of a torch_dist/fsdp_dtensor checkpoint."""
+class _MetadataReadOnce(FileSystemReader):
+    """A reader that hands torch the `.metadata` already read instead of reading it again."""
+
+    def __init__(self, path: str, metadata: Any):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self):
+        return self._metadata
+
+
+def read_checkpoint_metadata(path: str, with_args: bool = True,
+                             with_payload: bool = True) -> CheckpointMetadata:
+    """Reads `.metadata` once (and, with_args, the saved args) of a torch_dist/fsdp_dtensor
+    checkpoint; with_payload also stats every .distcp file (payload_bytes, else 0)."""
     try:
         path = resolve_iteration_dir(path)
     except (OSError, ValueError) as e:
@@ -84,9 +97,9 @@ def read_checkpoint_metadata(path: str, with_args: bool = True) -> CheckpointMet
             tensors[key] = SavedTensor(
                 key, tuple(meta.size), meta.properties.dtype.itemsize,
                 tuple((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks))
-    args = _read_args(path, reader, state) if with_args else None
+    args = _read_args(path, _MetadataReadOnce(path, metadata), state) if with_args else None
     payload = sum(os.stat(os.path.join(path, f)).st_size
-                  for f in os.listdir(path) if f.endswith(".distcp"))
+                  for f in os.listdir(path) if f.endswith(".distcp")) if with_payload else 0
     return CheckpointMetadata(path, fmt, tensors, args, payload)
 
 

@@ -1,0 +1,70 @@
+"""pretrain_moe.py that counts, per rank, the checkpoint I/O and checks the project's patches
+do (by hooking the module attributes they call). Run under torchrun like pretrain_moe.py; at exit
+each rank writes $IO_COUNT_DIR/rank<R>.json:
+
+  fsynced        basenames of the files checkpoint_commit fsynced
+  file_checks    calls of checkpoint_commit.file_problems (the load-integrity file check)
+  metadata_reads .metadata files checkpoint_metadata read from disk
+  gathers        all-rank metadata gathers the save guard ran itself
+  model_checks   model-shape judgements the save guard ran
+"""
+
+import atexit
+import functools
+import json
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():  # before anything imports megatron.core
+    from megatron_patches import cpu_backend
+
+    cpu_backend.activate()
+
+import pretrain_moe  # noqa: E402
+from megatron_patches import checkpoint_commit, checkpoint_guard, checkpoint_metadata  # noqa: E402
+
+COUNTS = {"fsynced": [], "file_checks": 0, "metadata_reads": 0, "gathers": 0,
+          "model_checks": 0}
+
+
+def _counting(module, name, record):
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        record(*args)
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+
+
+def _bump(key):
+    def record(*_):
+        COUNTS[key] += 1
+    return record
+
+
+class _CountingReader(checkpoint_metadata.FileSystemReader):
+    def read_metadata(self):
+        COUNTS["metadata_reads"] += 1
+        return super().read_metadata()
+
+
+def _write_counts():
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(
+        os.environ.get("RANK", 0))
+    with open(os.path.join(os.environ["IO_COUNT_DIR"], f"rank{rank}.json"), "w") as f:
+        json.dump(COUNTS, f)
+
+
+if __name__ == "__main__":
+    _counting(checkpoint_commit, "_fsync_file",
+              lambda path: COUNTS["fsynced"].append(os.path.basename(path)))
+    _counting(checkpoint_commit, "file_problems", _bump("file_checks"))
+    _counting(checkpoint_guard, "determine_global_metadata", _bump("gathers"))
+    _counting(checkpoint_guard, "refuse_wrong_model_shapes", _bump("model_checks"))
+    checkpoint_metadata.FileSystemReader = _CountingReader
+    atexit.register(_write_counts)
+    pretrain_moe.main(sys.argv[1:])
