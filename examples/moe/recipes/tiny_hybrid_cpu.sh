@@ -1,31 +1,13 @@
 # shellcheck shell=bash disable=SC2034
-# Tiny MoE HybridModel for a CPU smoke run: tiny_cpu's model spelled as a --hybrid-layer-pattern,
-# one layer family per symbol (`*` attention, `E` MoE): 8 layers `*E*E*E*E` are tiny_cpu's 4
-# attention + MoE decoder layers. 4 ranks on 1 node (no GPU), EP2, mock data, 20 iterations, a
-# torch_dist checkpoint at the end. On CPU the launcher builds HybridModel from megatron's local
-# modules (moe_launcher/hybrid_spec.py); with Transformer Engine, megatron's own hybrid spec.
+# Tiny MoE HybridModel for a CPU smoke run, 4 ranks on 1 node: tiny_cpu (layout, data, schedule) with the
+# model spelled as a --hybrid-layer-pattern, one layer family per symbol (`*` attention, `E`
+# MoE): the 8 layers `*E*E*E*E` are tiny_cpu's 4 attention + MoE decoder layers. On CPU the
+# launcher builds HybridModel from megatron's local modules (moe_launcher/hybrid_spec.py); with
+# Transformer Engine, megatron's own hybrid spec.
+# shellcheck source=/dev/null
+source "$RECIPE_DIR/tiny_cpu.sh"
 NODES=1
 GPUS_PER_NODE=4
-VOCAB_SIZE=1024
-TOKENIZER_MODEL=
-IMPL_ARGS=()
-MODEL_ARGS=(
-  --num-layers 8 --hybrid-layer-pattern '*E*E*E*E'
-  --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4
-  --seq-length 128 --max-position-embeddings 128
-  --position-embedding-type rope --normalization RMSNorm --swiglu
-  --disable-bias-linear --untie-embeddings-and-output-weights
-  --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 256
-  --moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 1e-2
-)
-LAYOUT_ARGS=(
-  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
-  --expert-model-parallel-size 2
-  --use-distributed-optimizer --ckpt-format torch_dist
-)
-TRAIN_ARGS=(
-  --micro-batch-size 2 --global-batch-size 16 --train-iters "${TRAIN_ITERS:-20}"
-  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2
-  --weight-decay 0.1 --clip-grad 1.0 --seed 1234
-  --save-interval "${SAVE_INTERVAL:-20}" --eval-iters 0 --eval-interval "${TRAIN_ITERS:-20}"
-)
+# The pattern sets the layer count; the later --num-layers keeps megatron from warning that it
+# ignores tiny_cpu's.
+MODEL_ARGS+=(--num-layers 8 --hybrid-layer-pattern '*E*E*E*E')
