@@ -295,11 +295,15 @@ def census_of_pattern(pattern: str) -> LayerCensus:
     main = parsed.main_pattern or ""
     layers = main.replace(Symbols.PIPE, "")
     mtp = (parsed.mtp_pattern or "") * parsed.mtp_num_depths
+    # Layers with a self_attention module, as the census of the built model counts them.
+    with_attention = (Symbols.ATTENTION, Symbols.MLA, Symbols.DS_ATTENTION, Symbols.GDN)
     return LayerCensus(
-        attention=layers.count(Symbols.ATTENTION), dense=layers.count(Symbols.MLP),
+        attention=sum(layers.count(symbol) for symbol in with_attention),
+        dense=layers.count(Symbols.MLP),
         moe=layers.count(Symbols.MOE), mtp=parsed.mtp_num_depths,
         per_stage=tuple(len(segment) for segment in main.split(Symbols.PIPE)),
-        mtp_attention=mtp.count(Symbols.ATTENTION), mtp_dense=mtp.count(Symbols.MLP),
+        mtp_attention=sum(mtp.count(symbol) for symbol in with_attention),
+        mtp_dense=mtp.count(Symbols.MLP),
         mtp_moe=mtp.count(Symbols.MOE), layer_numbers=tuple(range(1, len(layers) + 1)))
 
 

@@ -104,8 +104,37 @@ def build_hybrid(config, pattern: str, seq_length: int):
     init_world()
     destroy_moe_metrics_tracker()
     spec = local_hybrid_stack_spec(config.normalization, config.num_moe_experts)
+    if config.multi_latent_attention:
+        spec.submodules.mla_layer = _local_mla_layer()
     return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=VOCAB,
                        max_sequence_length=seq_length, hybrid_layer_pattern=pattern)
+
+
+def _local_mla_layer():
+    """An MLA (`+`) layer of megatron's local modules with MatmulCoreAttention, for FLOPs only:
+    the launcher refuses `+` on the local spec (DotProductAttention takes no k_channels)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_latent_attention import (
+        MLASelfAttention, MLASelfAttentionSubmodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer, TransformerLayerSubmodules)
+
+    backend = LocalSpecProvider()
+    column = backend.column_parallel_linear()
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=backend.layer_norm(),
+        self_attention=ModuleSpec(
+            module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=column, linear_q_down_proj=column, linear_q_up_proj=column,
+                linear_kv_down_proj=column, linear_kv_up_proj=column,
+                core_attention=MatmulCoreAttention, linear_proj=backend.row_parallel_linear(),
+                q_layernorm=IdentityOp, kv_layernorm=IdentityOp)),
+        self_attn_bda=get_bias_dropout_add))
 
 
 def train_step_loss(model, batch: int, seq_length: int) -> torch.Tensor:

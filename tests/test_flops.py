@@ -50,6 +50,8 @@ HYBRID_CASES = {
                                        moe_shared_expert_intermediate_size=48)),
     "hybrid-mtp": ("*E*E/*E", dict(num_layers=4, num_moe_experts=8, moe_router_topk=2,
                                    mtp_num_layers=1)),
+    "hybrid-mla": ("+E+E", dict(num_layers=4, num_moe_experts=8, moe_router_topk=2,
+                                **CASES["mla"])),
 }
 
 

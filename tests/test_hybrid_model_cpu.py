@@ -110,3 +110,8 @@ def test_census_of_a_built_hybrid_model_is_checked_against_the_pattern():
         check_hybrid_census(census, "*E*E", pipeline=1)
     with pytest.raises(LayerLayoutError, match=r"per stage: built \(4,\), the pattern has \(2, 2\)"):
         check_hybrid_census(census, "*-|*E", pipeline=2)
+
+    mla = cpu.tiny_config(num_layers=2, num_moe_experts=4, moe_router_topk=2,
+                          multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+                          qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+    check_hybrid_census(census_of_model([cpu.build_hybrid(mla, "+E", 32)]), "+E", pipeline=1)
