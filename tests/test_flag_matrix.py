@@ -141,6 +141,10 @@ REFUSED = {
             "--tokenizer-model", "gpt2"], "--tokenizer-type"),
     "transformer-engine-impl-without-te": (1, [*BASE, "--transformer-impl",
                                                "transformer_engine"], "--transformer-impl"),
+    # HybridModel: `|` segments that the pipeline size does not divide (megatron's check)
+    "hybrid-segments-not-divisible-by-pp": (
+        2, [*replaced(BASE, "--num-layers", "3"), "--hybrid-layer-pattern", "*E|*E|*E",
+            "--pipeline-model-parallel-size", "2"], "--hybrid-layer-pattern"),
 }
 
 # name: (world size, command line): pass every check before work (training them: see top).
