@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,15 @@ def launch(nproc: int, args: list[str], env: dict | None = None, timeout: int = 
     done = subprocess.run(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return Run(done.returncode, done.stdout)
+
+
+def audit_report(checkpoint: Path) -> dict:
+    """The checkpoint audit CLI's JSON report of `checkpoint` (the CLI must say complete)."""
+    done = subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
+                           str(checkpoint), "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 def tensorboard_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:

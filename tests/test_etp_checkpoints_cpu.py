@@ -4,15 +4,12 @@ every tensor's saved chunks tile its global shape (checked by the checkpoint aud
 ETP=2 checkpoint loads into an ETP=1 layout with identical parameters.
 (Bit-exact resume in the same layout is covered per layout in test_train_resume_cpu.py.)"""
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from _launch import REPO, TINY_MODEL, launch
+from _launch import TINY_MODEL, audit_report, launch
 
 ARGS = [*TINY_MODEL, "--use-distributed-optimizer", "--train-iters", "1", "--save-interval", "1"]
 BASELINE = (2, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
@@ -32,14 +29,6 @@ def _save(tmp_path, name, nproc, layout):
     return checkpoint
 
 
-def _audit(checkpoint) -> dict:
-    done = subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
-                           str(checkpoint), "--json"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 def _model_bytes(report: dict) -> int:
     # The distributed optimizer's flat buckets are padded per layout; compare model tensors.
     return sum(t["saved_bytes"] for t in report["tensors"] if not t["key"].startswith("chained_"))
@@ -54,12 +43,12 @@ def _model_tensors(checkpoint, out) -> dict:
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     checkpoint = _save(tmp_path_factory.mktemp("etp1"), "etp1", *BASELINE)
-    return checkpoint, _audit(checkpoint)
+    return checkpoint, audit_report(checkpoint)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_etp_checkpoint_is_complete(layout, baseline, tmp_path):
-    report = _audit(_save(tmp_path, layout, *LAYOUTS[layout]))
+    report = audit_report(_save(tmp_path, layout, *LAYOUTS[layout]))
     assert report["verdict"] == baseline[1]["verdict"]
     assert all(t["ok"] for t in report["tensors"])
     experts = [t for t in report["tensors"] if t["expert"]]

@@ -14,13 +14,10 @@ What each checkpoint run goes through:
   and expert weights carry their true (whole, not per-ETP-rank) global shapes.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from _launch import REPO, TINY_MODEL, launch
+from _launch import TINY_MODEL, audit_report, launch
 
 ITERS = 2
 
@@ -39,14 +36,6 @@ LAYOUTS = {
 WITHOUT_SWIGLU = {"ep2-etp2-no_shard"}
 
 
-def audit(checkpoint) -> dict:
-    done = subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
-                           str(checkpoint), "--json"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(done.stdout)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_megatron_fsdp_trains_and_saves_audited_checkpoint(layout, tmp_path):
@@ -59,7 +48,7 @@ def test_megatron_fsdp_trains_and_saves_audited_checkpoint(layout, tmp_path):
     assert f"iteration        {ITERS}/       {ITERS}" in run.log
     assert "successfully saved checkpoint" in run.log
 
-    report = audit(tmp_path / "ckpt")
+    report = audit_report(tmp_path / "ckpt")
     assert report["format"] == "fsdp_dtensor"
     experts = [t for t in report["tensors"] if t["expert"] and t["key"].startswith("model.")]
     # 2 layers x 8 experts x (fc1, split into weight_w/weight_v by megatron for SwiGLU; fc2).
