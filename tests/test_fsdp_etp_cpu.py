@@ -14,7 +14,6 @@ What each checkpoint run goes through:
   and expert weights carry their true (whole, not per-ETP-rank) global shapes.
 """
 
-
 import pytest
 
 from _launch import TINY_MODEL, audit_report, launch
