@@ -120,6 +120,8 @@ def _fill_missing_states(optimizer, state_dict: dict) -> None:
 def _apply() -> None:
     cls = _distrib_optimizer()
     original = cls.sharded_param_state_fsdp_dtensor
+    if getattr(original, "_lists_every_parameter", False):
+        return
 
     @functools.wraps(original)
     def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
@@ -127,6 +129,7 @@ def _apply() -> None:
         _fill_missing_states(self, state_dict)
         return state_dict
 
+    sharded_param_state_fsdp_dtensor._lists_every_parameter = True
     cls.sharded_param_state_fsdp_dtensor = sharded_param_state_fsdp_dtensor
 
 
