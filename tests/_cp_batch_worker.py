@@ -43,10 +43,13 @@ def main() -> None:
     wrong = [key for key, value in expected.items()
              if not torch.equal(sliced[key], value.repeat(2, 1))]
     assert sliced["attention_mask"] is None
-    print(f"rank {dist.get_rank()} cp_rank {cp_rank}: "
-          + (f"wrong slice of {wrong}: positions {sliced['position_ids'][0].tolist()}"
-             if wrong else "slice ok"), flush=True)
-    dist.barrier()
+    verdict = (f"rank {dist.get_rank()} cp_rank {cp_rank}: "
+               + (f"wrong slice of {wrong}: positions {sliced['position_ids'][0].tolist()}"
+                  if wrong else "slice ok"))
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, verdict)  # one printer: ranks' lines would interleave
+    if dist.get_rank() == 0:
+        print("\n".join(verdicts), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,33 @@
-"""Runs pretrain_moe.py under torchrun on CPU (gloo) and reads what it wrote."""
+"""The suite's one multi-process harness: runs pretrain_moe.py (or a test worker) on N CPU ranks
+with gloo, in the foreground (launch) or the background (LiveRun), and reads what it wrote.
+
+Ranks are forked by tests/_ranks.py after one import of megatron (see there); torchrun=True runs
+the same command under torchrun, for tests whose subject is how the launcher behaves under it.
+"""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import glob
 import json
 import os
+import re
+import select
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
+RANKS = REPO / "tests" / "_ranks.py"
 
 # The tiny MoE GPT every CPU test trains (dropout 0 so resumed runs can match bit for bit).
 TINY_MODEL = [
@@ -27,6 +44,99 @@ TINY_MODEL = [
 ]
 
 
+def _command(nproc: int, script: Path, args: list[str], torchrun: bool) -> list[str]:
+    if torchrun:  # --standalone: torchrun picks its own free rendezvous port
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nproc}", str(script), *args]
+    return [sys.executable, str(RANKS), str(nproc), str(script), *args]
+
+
+def _environment(env: dict | None) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(REPO), **(env or {})}
+
+
+# Where a variable starts so, torch, megatron or the CPU backend may read it on import: a launch
+# that sets it otherwise than the rank server was started with gets a launcher of its own.
+READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "NVTE_", "CUDA", "PYTHON",
+                  "MEGATRON_PATCHES_STRICT")
+
+
+class _RankServer:
+    """tests/_ranks.py --serve, started once per test session; see there."""
+
+    def __init__(self):
+        self.path = os.path.join(tempfile.mkdtemp(prefix="ranks-"), "socket")
+        self.env = _environment(None)
+        self.proc = subprocess.Popen([sys.executable, str(RANKS), "--serve", self.path],
+                                     cwd=REPO, env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        atexit.register(self.proc.kill)
+        startup = []
+        while not startup or startup[-1] != "[ranks] serving\n":
+            line = self.proc.stdout.readline()
+            assert line, "the rank server did not start:\n" + "".join(startup)[-3000:]
+            startup.append(line)
+
+    def serves(self, env: dict) -> bool:
+        changed = {key for key in {*env, *self.env} if env.get(key) != self.env.get(key)}
+        return self.proc.poll() is None and not any(
+            key.startswith(READ_AT_IMPORT) for key in changed)
+
+    def start(self, nproc: int, script: Path, args: list[str], env: dict) -> "_ServedLaunch":
+        return _ServedLaunch(self.path, {"nproc": nproc, "script": str(script), "args": args,
+                                         "env": env, "cwd": str(REPO)})
+
+
+class _ServedLaunch:
+    """A launch the rank server forked: what the harness uses of subprocess.Popen."""
+
+    def __init__(self, path: str, request: dict):
+        read_end, write_end = os.pipe()
+        self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.connection.connect(path)
+        socket.send_fds(self.connection, [json.dumps(request).encode()], [write_end])
+        os.close(write_end)
+        self.stdout = os.fdopen(read_end, errors="replace")
+        self.answers = self.connection.makefile()
+        self.pid = int(self.answers.readline())
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.connection], [], [], 0)[0]:
+            self.returncode = int(self.answers.readline())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self.connection], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"launch {self.pid}", timeout)
+            self.returncode = int(self.answers.readline())
+        return self.returncode
+
+
+@functools.cache
+def _rank_server() -> _RankServer:
+    return _RankServer()
+
+
+def _start(nproc: int, args: list[str], env: dict | None, script: Path, torchrun: bool,
+           preexec=None):
+    full_env = _environment(env)
+    if not torchrun and preexec is None and _rank_server().serves(full_env):
+        return _rank_server().start(nproc, script, args, full_env)
+    return subprocess.Popen(_command(nproc, script, args, torchrun), cwd=REPO, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=preexec)
+
+
+def _kill_group(proc) -> None:
+    """Kills a launch: the launcher and its ranks (a process group of their own)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 @dataclasses.dataclass
 class Run:
     returncode: int
@@ -36,17 +146,65 @@ class Run:
         assert self.returncode == 0, f"launcher failed ({self.returncode}):\n{self.log[-6000:]}"
         return self
 
+    @property
+    def exit_codes(self) -> list[int]:
+        """Each rank's exit status (negative: killed by that signal), from tests/_ranks.py."""
+        found = re.findall(r"^\[ranks\] exit codes: (.*)$", self.log, flags=re.M)
+        assert found, f"no exit codes reported (a torchrun run?):\n{self.log[-3000:]}"
+        return [int(code) for code in found[-1].split()]
+
 
 def launch(nproc: int, args: list[str], env: dict | None = None, timeout: int = 600,
-           script: Path = REPO / "pretrain_moe.py") -> Run:
-    # --standalone lets torchrun pick its own free rendezvous port (no races between runs).
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": str(REPO), **(env or {})}
-    done = subprocess.run(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    return Run(done.returncode, done.stdout)
+           script: Path = REPO / "pretrain_moe.py", torchrun: bool = False) -> Run:
+    run = LiveRun(args, nproc=nproc, script=script, env=env, torchrun=torchrun)
+    log = run.finish(timeout)
+    return Run(run.proc.returncode, log)
+
+
+class LiveRun:
+    """A launch in the background; its output collected line by line."""
+
+    def __init__(self, args: list[str], nproc: int = 2, preexec=None,
+                 script: Path = REPO / "pretrain_moe.py", env: dict | None = None,
+                 torchrun: bool = False):
+        self.proc = _start(nproc, args, env, script, torchrun, preexec)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def count(self, text: str) -> int:
+        return sum(text in line for line in list(self.lines))
+
+    def wait_for(self, text: str, times: int, deadline: float) -> bool:
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self.count(text) >= times:
+                return True
+            time.sleep(0.02)
+        return self.count(text) >= times
+
+    def ranks(self) -> list[psutil.Process]:
+        """The rank processes (the launcher's children)."""
+        return psutil.Process(self.proc.pid).children()
+
+    def finish(self, timeout: float) -> str:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"run did not stop within {timeout}s:\n{self.log()[-4000:]}")
+        self.reader.join(10)
+        return self.log()
+
+    def stop(self) -> None:
+        """Kills the run (the launcher and its ranks) if it still runs."""
+        _kill_group(self.proc)
+
+    def log(self) -> str:
+        return "".join(self.lines)
 
 
 def audit_report(checkpoint: Path) -> dict:

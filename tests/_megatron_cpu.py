@@ -71,6 +71,16 @@ class MatmulCoreAttention(torch.nn.Module):
         return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+def _forget_previous_model_metrics() -> None:
+    """megatron's MoE and MTP loss trackers are process-wide, with per-layer buffers sized by the
+    first model that logged into them; each test builds a new model in the same process."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker.clear()
+
+
 def build_gpt(config, seq_length: int):
     """A GPTModel from megatron's local (non-TransformerEngine) specs, as pretrain builds it."""
     from megatron.core.models.gpt import GPTModel
@@ -79,10 +89,8 @@ def build_gpt(config, seq_length: int):
         get_gpt_mtp_block_spec,
     )
 
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
-
     init_world()
-    destroy_moe_metrics_tracker()  # its per-layer buffers are sized by the previous model
+    _forget_previous_model_metrics()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     if config.multi_latent_attention:
         for layer_spec in spec.layer_specs:
@@ -97,12 +105,11 @@ def build_gpt(config, seq_length: int):
 def build_hybrid(config, pattern: str, seq_length: int):
     """A HybridModel from the launcher's local stack spec, as pretrain builds it without TE."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
-    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     from moe_launcher.hybrid_spec import local_hybrid_stack_spec
 
     init_world()
-    destroy_moe_metrics_tracker()
+    _forget_previous_model_metrics()
     spec = local_hybrid_stack_spec(config.normalization, config.num_moe_experts)
     if config.multi_latent_attention:
         spec.submodules.mla_layer = _local_mla_layer()

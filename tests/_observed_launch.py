@@ -39,10 +39,13 @@ def _model_space_snapshot(model, optimizer) -> dict:
     and how the parameter is split over tensor parallelism (to reassemble it across layouts)."""
     from megatron.core import parallel_state as ps
 
+    # Only the distributed optimizer holds slices; a plain mixed-precision optimizer has none.
+    distributed = [chained for chained in getattr(optimizer, "chained_optimizers", [optimizer])
+                   if hasattr(chained, "model_param_group_index_map")]
     snapshot = {}
     for chunk in model:
         for name, param in chunk.named_parameters():
-            for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+            for chained in distributed:
                 if param not in chained.model_param_group_index_map:
                     continue
                 expert = not getattr(param, "allreduce", True)

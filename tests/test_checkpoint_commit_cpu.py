@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from _launch import REPO, TINY_MODEL, launch
+from _launch import REPO, TINY_MODEL, LiveRun, launch
 from megatron_patches.checkpoint_commit import TRACKER, WRITER_LOCK, file_problems
-from test_failure_safety_cpu import LiveRun
 
 pytestmark = pytest.mark.slow
 
