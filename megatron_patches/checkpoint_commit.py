@@ -50,7 +50,9 @@ tracker parses, the iteration directory exists, `.metadata` exists and unpickles
 findings are shared with all ranks, so every rank refuses with the same message
 (`CheckpointLoadError`, naming the directory, the tensor and the problem) instead of one rank
 failing while the others wait in a collective. This complements the #1836 layout guard
-(checkpoint_guard), which judges tensor shapes, not files.
+(checkpoint_guard), which judges tensor shapes, not files. The same wrapper turns megatron's
+assert on a resume whose learning-rate schedule differs from the checkpoint's (a raised
+--train-iters without --override-opt_param-scheduler) into that refusal, naming both fixes.
 """
 
 from __future__ import annotations
@@ -666,10 +668,57 @@ def _wrap_load(original: Callable) -> Callable:
                 if collectives.rank() == 0 else [])
             if problems:
                 raise CheckpointLoadError(" | ".join(problems))
-        return original(*args, **kwargs)
+        with _schedule_mismatch_refused(call.arguments.get("opt_param_scheduler"), load_dir):
+            return original(*args, **kwargs)
 
     setattr(load_checkpoint, _MARK, True)
     return load_checkpoint
+
+
+# What megatron's scheduler check calls each value, and the flags that set it.
+_SCHEDULE_FLAGS = {
+    "learning rate": "--lr",
+    "minimum learning rate": "--min-lr",
+    "warmup iterations": "--lr-warmup-iters/--lr-warmup-fraction/--lr-warmup-samples",
+    "total number of iterations": "--train-iters/--lr-decay-iters/--train-samples/"
+                                  "--lr-decay-samples",
+    "learning rate decay style": "--lr-decay-style",
+}
+_SCHEDULE_MISMATCH = re.compile(r"OptimizerParamScheduler: class input value (?P<ours>.*?) and "
+                                r"checkpoint ?value (?P<saved>.*?) for (?P<name>.+?) do not match")
+
+
+@contextlib.contextmanager
+def _schedule_mismatch_refused(scheduler, load_dir: str | None):
+    """A resume whose learning-rate schedule differs from the checkpoint's (most often a raised
+    --train-iters, which moves the decay end) fails megatron's assert in the scheduler's
+    load_state_dict: a traceback on every rank. The same check, megatron's own, becomes a
+    refusal that names the flags and both fixes; any other assertion passes through."""
+    if scheduler is None:
+        yield
+        return
+    load_state_dict = scheduler.load_state_dict
+
+    def checked_load_state_dict(state_dict):
+        try:
+            return load_state_dict(state_dict)
+        except AssertionError as error:
+            found = _SCHEDULE_MISMATCH.search(str(error))
+            if found is None:
+                raise
+            name = found["name"]
+            raise CheckpointLoadError(
+                f"refusing to resume from {load_dir}: {_SCHEDULE_FLAGS.get(name, name)}: this "
+                f"command line's {name} is {found['ours']}, the checkpoint's is "
+                f"{found['saved']}; fix: add --override-opt_param-scheduler to train on with "
+                f"this command line's schedule, or --use-checkpoint-opt_param-scheduler to keep "
+                f"the checkpoint's") from None
+
+    scheduler.load_state_dict = checked_load_state_dict  # this load only: megatron's call site
+    try:
+        yield
+    finally:
+        del scheduler.load_state_dict
 
 
 def _install(name: str, wrapper: Callable[[Callable], Callable]) -> None:

@@ -98,19 +98,25 @@ def validated_args(args: argparse.Namespace) -> argparse.Namespace:
         return args
 
 
-def pretrain_config(args: argparse.Namespace):
-    """megatron's model config (GPT, or HybridModel for --hybrid-layer-pattern) and pretrain
-    config container for validated args."""
-    from megatron.training.argument_utils import (
-        gpt_config_from_args, pretrain_cfg_container_from_args)
+def model_config(args: argparse.Namespace):
+    """megatron's model config (GPT, or HybridModel for --hybrid-layer-pattern) for validated
+    args."""
+    from megatron.training.argument_utils import gpt_config_from_args
 
     with megatron_refusals():
         if args.hybrid_layer_pattern:
             from moe_launcher.hybrid_spec import hybrid_model_config
-            model_config = hybrid_model_config(args)
-        else:
-            model_config = gpt_config_from_args(args)
-        return pretrain_cfg_container_from_args(args, model_config)
+            return hybrid_model_config(args)
+        return gpt_config_from_args(args)
+
+
+def pretrain_config(args: argparse.Namespace):
+    """megatron's pretrain config container (with the model config) for validated args."""
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    config = model_config(args)
+    with megatron_refusals():
+        return pretrain_cfg_container_from_args(args, config)
 
 
 def set_megatron_globals(args: argparse.Namespace) -> None:
@@ -121,18 +127,37 @@ def set_megatron_globals(args: argparse.Namespace) -> None:
         set_global_variables(args)
 
 
-def checked_command_line(argv: list[str]):
-    """Every check a command line gets before any work: megatron's parser, this project's
-    preflight checks (moe_launcher.preflight, moe_launcher.dependencies), megatron's validation
-    and its config construction. Returns (args, pretrain config); raises PreflightError."""
+def _parser_errors_refused(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron's parser, whose errors (an unknown flag, a bad value) are refusals instead of
+    argparse's usage text and exit: its own parser instance, through megatron's hook for it."""
+    def refuse(message: str):
+        flags = re.findall(r"--[a-z0-9][a-z0-9_-]*", message)
+        flag = flags[0] if flags else "the command line"
+        raise PreflightError(flag, f"{message}; fix: correct {flag} (`python pretrain_moe.py "
+                                   "--help` lists every flag)")
+
+    parser.error = refuse
+    return parser
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """megatron's parser on argv (megatron reads sys.argv: it is set to argv); a parser error
+    raises PreflightError."""
     import sys
 
     from megatron.training.arguments import parse_args
 
+    sys.argv = [sys.argv[0], *argv]
+    return parse_args(extra_args_provider=_parser_errors_refused)
+
+
+def checked_command_line(argv: list[str]):
+    """Every check a command line gets before any work: megatron's parser, this project's
+    preflight checks (moe_launcher.preflight, moe_launcher.dependencies), megatron's validation
+    and its config construction. Returns (args, pretrain config); raises PreflightError."""
     from moe_launcher import dependencies, preflight  # noqa: F401 -- registers its checks
 
-    sys.argv = [sys.argv[0], *argv]
-    args = parse_args()
+    args = parse_command_line(argv)
     preflight.check_args(args)
     args = validated_args(args)
     return args, pretrain_config(args)

@@ -103,6 +103,9 @@ REFUSED = {
                                             "--moe-router-num-groups"),
     "group-topk-without-groups": (1, [*BASE, "--moe-router-group-topk", "2"],
                                   "--moe-router-num-groups"),
+    # megatron's parser: argparse's errors
+    "unknown-flag": (1, [*BASE, "--num-expert", "8"], "--num-expert"),
+    "bad-value": (1, replaced(BASE, "--moe-router-topk", "two"), "--moe-router-topk"),
     # this project's checks
     "no-train-iters-or-samples": (1, [*TINY_MODEL], "--train-iters"),
     "top-k-over-experts": (1, replaced(BASE, "--moe-router-topk", "9"), "--moe-router-topk"),
@@ -306,3 +309,21 @@ def test_matrix_trains(tmp_path):
     assert not failed, json.dumps(failed, indent=1)
     for name in ("checkpoint-torch-dist-requeued-first-run", "checkpoint-torch-format"):
         assert (tmp_path / name / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.slow
+def test_resume_with_a_longer_schedule_is_refused_with_both_fixes(tmp_path):
+    """Training further (a raised --train-iters moves megatron's decay end) without saying which
+    schedule to keep fails megatron's scheduler check at the load: every rank refuses in one
+    line naming the flags and both fixes, and the run trains on once one of them is given."""
+    save = str(tmp_path / "ckpt")
+    resume = [*TINY_MODEL, "--save", save, "--load", save, "--save-interval", "100"]
+    launch(2, [*resume, "--train-iters", "2"]).check()
+    refused = launch(2, [*resume, "--train-iters", "4"])
+    errors = [line for line in refused.log.splitlines() if "pretrain_moe: error:" in line]
+    assert refused.exit_codes == [1, 1] and len(errors) == 2, refused.log[-3000:]
+    assert all("--train-iters" in line and "--override-opt_param-scheduler" in line
+               and "--use-checkpoint-opt_param-scheduler" in line for line in errors), errors
+    assert "Traceback" not in refused.log and "iteration        3/" not in refused.log
+    trained = launch(2, [*resume, "--train-iters", "4", "--override-opt_param-scheduler"]).check()
+    assert "iteration        4/" in trained.log, trained.log[-3000:]

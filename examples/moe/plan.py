@@ -48,6 +48,7 @@ class PlanError(PreflightError):
 
 from megatron_patches.flops import ModelShape, flops_per_batch  # noqa: E402
 from megatron_patches.layer_layout import LayerCensus, expected_moe_layers  # noqa: E402
+from moe_launcher import megatron_validation  # noqa: E402
 from moe_launcher.platform_defaults import (  # noqa: E402
     set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
@@ -66,14 +67,13 @@ def launcher_view(flags: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def parse_megatron_flags(flags: list[str], world_size: int):
-    """megatron.training.arguments.parse_args on `flags`, as rank 0 of `world_size` ranks."""
-    from megatron.training.arguments import parse_args
-
+    """megatron's parser on `flags` as pretrain_moe.py runs it, as rank 0 of `world_size` ranks;
+    a parser error raises PreflightError."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}
-    with mock.patch.dict(os.environ, env), mock.patch.object(
-            sys, "argv", ["pretrain_moe.py", *flags]), warnings.catch_warnings():
+    with mock.patch.dict(os.environ, env), mock.patch.object(sys, "argv", ["pretrain_moe.py"]), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # argparse 'type' deprecation
-        return parse_args()
+        return megatron_validation.parse_command_line(flags)
 
 
 @contextlib.contextmanager
@@ -109,11 +109,9 @@ def check_layout(args) -> Layout:
 
 
 def run_megatron_validation(args, env: dict[str, str]):
-    """megatron's own validate_args, then its TransformerConfig checks, on a copy of the args
-    (simulated H100); failures become PlanError quoting megatron's message."""
-    from megatron.training.arguments import validate_args
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
+    """megatron's validation and model config on a copy of the args (simulated H100), as
+    pretrain_moe.py runs them (moe_launcher.megatron_validation); a failure raises
+    PreflightError quoting megatron's message."""
     view = copy.deepcopy(args)
     out = io.StringIO()
     environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
@@ -121,14 +119,8 @@ def run_megatron_validation(args, env: dict[str, str]):
     with simulated_hopper(), warnings.catch_warnings(), contextlib.redirect_stdout(out), \
             mock.patch.dict(os.environ, environ, clear=True):
         warnings.simplefilter("ignore")
-        try:
-            validate_args(view, {})
-        except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
-            raise PlanError(f"megatron validate_args rejected the flags: {exc}") from None
-        try:
-            return view, core_transformer_config_from_args(view)
-        except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
-            raise PlanError(f"megatron TransformerConfig rejected the flags: {exc}") from None
+        view = megatron_validation.validated_args(view)
+        return view, megatron_validation.model_config(view)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,9 +287,8 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = parse_megatron_flags(flags, world_size)
-    except SystemExit as exc:  # argparse already printed the offending flag
-        print(f"dry run FAILED: megatron's parser rejected the flags (exit {exc.code}); fix the "
-              f"flag named above", file=sys.stderr)
+    except PreflightError as exc:
+        print(f"dry run FAILED: {exc}", file=sys.stderr)
         return 2
     if args.vocab_size is None:
         args.vocab_size = vocab_size_hint  # a tokenizer's vocabulary; only for the estimates
