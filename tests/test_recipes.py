@@ -159,6 +159,17 @@ def test_public_parameter_counts():
             assert abs(got_active - active) / active < 0.05, (recipe, got_active)
 
 
+@pytest.mark.parametrize("grads_dtype, ratio", [(None, 1), ("fp32", 2)])
+def test_megatron_fsdp_gradients_are_priced_in_their_dtype(grads_dtype, ratio, monkeypatch):
+    """Megatron-FSDP keeps gradients in the parameters' dtype (bf16) unless told otherwise;
+    under optim_grads_params weights and gradients are sharded alike."""
+    extra = ["--megatron-fsdp-main-grads-dtype", grads_dtype] if grads_dtype else []
+    rc, out, err = dry_run("olmoe_1b_7b_fsdp", monkeypatch, extra=extra)
+    assert rc == 0, err
+    weights, grads = re.search(r"weights ([0-9.]+) GiB \+ grads ([0-9.]+) GiB", out).groups()
+    assert float(grads) == pytest.approx(ratio * float(weights), abs=0.1)
+
+
 def test_uneven_stage_split_error_names_the_flag(monkeypatch):
     rc, _, err = dry_run("deepseek_v2_lite_pp", monkeypatch,
                          extra=["--decoder-first-pipeline-num-layers", "5"])
