@@ -199,7 +199,9 @@ def _kept_by_megatron_fsdp(param, fsdp) -> tuple[int, int]:
     grads = shard if strategy in ("optim_grads", "optim_grads_params") else whole
     buffers = fsdp.param_and_grad_buffer
     group = buffers.parameter_groups[buffers.param_to_param_group[orig]]
-    kept = weights * orig.element_size() + grads * group.main_grad_buffer.data.element_size()
+    kept = weights * orig.element_size()
+    if group.main_grad_buffer is not None:  # None for frozen parameters
+        kept += grads * group.main_grad_buffer.dtype.itemsize
     if group.main_weight_buffer is not None:  # else the weights are the main weights
         kept += shard * _local(param).element_size()
     return weights, kept
