@@ -129,7 +129,7 @@ def _fsdp_memory(model, optimizer) -> dict:
                 nbytes += kept * buffer.data.element_size()
                 if buffer is group.model_weight_buffer:
                     weights += kept
-            if group.model_weight_buffer is None:  # no_shard: the wrapped parameters are the weights
+            if group.model_weight_buffer is None:  # no_shard: the weights are the parameters
                 weights += sum(param.numel() for param in group.params)
                 nbytes += sum(param.numel() * param.element_size() for param in group.params)
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
