@@ -15,7 +15,11 @@ layer-census, ...)" and megatron's own behaviour stays:
 * `parameter-census` (parameter_census.py): parameter totals and weight+optimizer memory.
 
 Parameter counts are DTensor-aware: under Megatron-FSDP parameters are DTensors whose `numel()`
-is the global size; what a rank holds is its local shard.
+is the global size; what a rank holds is its local shard, where the optimizer state lives. How
+much of the weights and gradients a rank keeps depends on Megatron-FSDP's sharding strategy
+(`optim` and `optim_grads` keep the whole TP/ETP-local weights, `optim` and `no_shard` the whole
+gradients), and their dtypes are Megatron-FSDP's: by default the gradients are kept in the
+parameters' dtype (`--megatron-fsdp-main-grads-dtype auto`), not megatron's fp32 main grads.
 
 Other modules read the record through `record()` only. Per-parameter sharding (for checkpoint
 checks): `record().parameters`, `record().parameter(name, chunk)` and
@@ -85,7 +89,13 @@ class ParameterSharding:
     expert: bool
     dtensor: bool  # a Megatron-FSDP DTensor (its shard is this rank's part of the state too)
     tied_copy: bool  # the last stage's copy of a tied embedding (counted once, on stage 0)
-    held_numel: int  # elements this rank holds
+    held_numel: int  # elements this rank holds (its optimizer state covers them)
+    # Elements of the weights this rank keeps: held_numel, except where a Megatron-FSDP strategy
+    # keeps the weights unsharded.
+    weight_numel: int
+    # DTensors: bytes of the weights, gradients and main weights this rank keeps of the parameter
+    # (the optimizer's moments are the census's); 0 for plain tensors, which megatron's rule prices.
+    kept_bytes: int
 
     @property
     def global_numel(self) -> int:
@@ -101,11 +111,14 @@ class HeldElements:
 
     dense: int  # plain tensors, state sharded over `data` by the distributed optimizer
     expert: int  # plain tensors, state sharded over `expert_data`
-    sharded: int  # DTensor shards: all their state lives with the shard
+    sharded: int  # DTensor shards: their optimizer state lives with the shard
+    sharded_weights: int  # the weights this rank keeps of the DTensor parameters
+    sharded_kept_bytes: int  # their weights, gradients and main weights on this rank
 
     @property
     def total(self) -> int:
-        return self.dense + self.expert + self.sharded
+        """Parameters whose weights this rank keeps."""
+        return self.dense + self.expert + self.sharded_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +172,39 @@ def sharding_of(name: str, chunk: int, param: torch.Tensor,
     global_shape = list(param.shape)  # a DTensor's shape is global, TP included
     if not dtensor and partition_dim is not None:
         global_shape[partition_dim] *= split_over
+    weight_numel, kept_bytes = local.numel(), 0
+    fsdp = _attribute(param, "_megatron_fsdp_model", None) if dtensor else None
+    if fsdp is not None:
+        weight_numel, kept_bytes = _kept_by_megatron_fsdp(param, fsdp)
+    elif dtensor:  # another DTensor sharding (torch FSDP2): all of it sharded, megatron's dtypes
+        kept_bytes = local.numel() * (2 + 4 + 4)
     return ParameterSharding(
         name=name, chunk=chunk, local_shape=tuple(local.shape),
         global_shape=tuple(global_shape), partition_dim=partition_dim, split_over=split_over,
         expert=expert, dtensor=dtensor,
         tied_copy=not parallelism.first_stage and bool(_attribute(param, "shared_embedding",
                                                                   False)),
-        held_numel=local.numel())
+        held_numel=local.numel(), weight_numel=weight_numel, kept_bytes=kept_bytes)
+
+
+def _kept_by_megatron_fsdp(param, fsdp) -> tuple[int, int]:
+    """(weight elements, bytes of weights, gradients and main weights) this rank keeps of a
+    Megatron-FSDP parameter. Its DTensor is this rank's shard of the main weights; gradients are
+    sharded too from optim_grads, weights only under optim_grads_params; what is not sharded,
+    the rank keeps whole (the TP/ETP-local parameter Megatron-FSDP wrapped)."""
+    orig = param.orig_param
+    shard, whole = _local(param).numel(), orig.numel()
+    strategy = fsdp.data_parallel_sharding_strategy
+    weights = shard if strategy == "optim_grads_params" else whole
+    grads = shard if strategy in ("optim_grads", "optim_grads_params") else whole
+    buffers = fsdp.param_and_grad_buffer
+    group = buffers.parameter_groups[buffers.param_to_param_group[orig]]
+    kept = weights * orig.element_size()
+    if group.main_grad_buffer is not None:  # None for frozen parameters
+        kept += grads * group.main_grad_buffer.dtype.itemsize
+    if group.main_weight_buffer is not None:  # else the weights are the main weights
+        kept += shard * _local(param).element_size()
+    return weights, kept
 
 
 def count_parameters(shardings, parallelism: Parallelism) -> tuple[int, tuple[HeldElements, ...]]:
@@ -179,7 +218,9 @@ def count_parameters(shardings, parallelism: Parallelism) -> tuple[int, tuple[He
     held = HeldElements(
         dense=sum(p.held_numel for p in shardings if not p.dtensor and not p.expert),
         expert=sum(p.held_numel for p in shardings if not p.dtensor and p.expert),
-        sharded=sum(p.held_numel for p in shardings if p.dtensor))
+        sharded=sum(p.held_numel for p in shardings if p.dtensor),
+        sharded_weights=sum(p.weight_numel for p in shardings if p.dtensor),
+        sharded_kept_bytes=sum(p.kept_bytes for p in shardings))
     (total,) = collectives.reduce_numbers([unique], "sum")
     return round(total), tuple(collectives.gather_objects(held))
 

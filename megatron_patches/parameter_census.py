@@ -7,7 +7,9 @@ stages are uneven (and before the layout fix could even hold other layers than a
 "most loaded shard" and the memory it implies are wrong for the stage that actually runs out of
 memory (NVIDIA/Megatron-LM#1778). This patch reports, from the record of the model built
 (built_model.py, hence it requires `layer-census`), the parameters each rank holds, with
-megatron's own bytes-per-parameter rule. Under Megatron-FSDP a rank holds its DTensor shards.
+megatron's own bytes-per-parameter rule. Under Megatron-FSDP a rank holds its DTensor shards of
+the optimizer state and, as the sharding strategy has it, shards or whole copies of the weights
+and gradients, in Megatron-FSDP's dtypes (built_model.py).
 Targets megatron-core 0.15.x - 0.19.x.
 """
 
@@ -49,10 +51,11 @@ def _bytes_per_parameter(distributed_optimizer: bool, data_parallel_size: int) -
 
 def weight_and_optimizer_bytes(held: HeldElements, parallelism, distributed_optimizer: bool
                                ) -> float:
-    # A Megatron-FSDP shard carries its own part of every state: 18 bytes per element held.
+    # DTensor parameters: what the rank keeps of their weights, gradients and main weights, and
+    # megatron's two fp32 Adam moments per element of the shard.
     return (held.dense * _bytes_per_parameter(distributed_optimizer, parallelism.data)
             + held.expert * _bytes_per_parameter(distributed_optimizer, parallelism.expert_data)
-            + held.sharded * _bytes_per_parameter(False, 1))
+            + held.sharded_kept_bytes + 8 * held.sharded)
 
 
 def _apply() -> None:

@@ -8,10 +8,16 @@ when its environment variable names a directory:
   model_{save<ITER>,load}_rank{R}.pt, and its CUDA RNG tracker states to
   rng_{save,load}_rank{R}.pt;
 * $GRAD_DIR: after megatron finalizes an iteration's gradients (DP reduction included), each
-  rank writes its routers' weight gradients (name -> main_grad) to grads_rank{R}.pt.
+  rank writes its routers' weight gradients (name -> main_grad) to grads_rank{R}.pt;
+* $MEMORY_DIR: after megatron's first training step (the optimizer states exist), each rank of a
+  Megatron-FSDP model writes what it keeps of the model's weights, gradients, main weights and
+  optimizer states, counted in Megatron-FSDP's buffers and the optimizer's state tensors (buffer
+  padding left out), to memory_rank{R}.json: {"weights": elements of the weights, "bytes": bytes
+  of them all}.
 """
 
 import functools
+import json
 import os
 import sys
 
@@ -109,6 +115,48 @@ def _observe_router_grads(training) -> None:
     training.finalize_model_grads = finalize_model_grads
 
 
+def _fsdp_memory(model, optimizer) -> dict:
+    weights = nbytes = 0
+    for chunk in model:
+        groups = chunk.module.param_and_grad_buffer.parameter_groups  # the MegatronFSDP module
+        for group in groups:
+            buffers = (group.model_weight_buffer, group.main_weight_buffer, group.main_grad_buffer)
+            for buffer in buffers:
+                if buffer is None or buffer.data is None:
+                    continue
+                kept = sum(end - start for start, end in (
+                    buffer.locate_item_in_global_item(item) for item in range(len(group.params))))
+                nbytes += kept * buffer.data.element_size()
+                if buffer is group.model_weight_buffer:
+                    weights += kept
+            if group.model_weight_buffer is None:  # no_shard: the weights are the parameters
+                weights += sum(param.numel() for param in group.params)
+                nbytes += sum(param.numel() * param.element_size() for param in group.params)
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in chained.optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and torch.is_tensor(value):
+                    local = getattr(value, "_local_tensor", value)
+                    nbytes += local.numel() * local.element_size()
+    return {"weights": weights, "bytes": nbytes}
+
+
+def _observe_memory(training) -> None:
+    step = training.train_step
+
+    @functools.wraps(step)
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        result = step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        path = os.path.join(os.environ["MEMORY_DIR"],
+                            f"memory_rank{torch.distributed.get_rank()}.json")
+        if not os.path.exists(path):
+            with open(path, "w") as out:
+                json.dump(_fsdp_memory(model, optimizer), out)
+        return result
+
+    training.train_step = train_step
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from megatron_patches import cpu_backend
@@ -120,4 +168,6 @@ if __name__ == "__main__":
         _observe_checkpoints(training)
     if os.environ.get("GRAD_DIR"):
         _observe_router_grads(training)
+    if os.environ.get("MEMORY_DIR"):
+        _observe_memory(training)
     pretrain_moe.main(sys.argv[1:])

@@ -38,9 +38,16 @@ GPU_RECIPES = {
     "olmoe_1b_7b_fsdp": (1, dict(GPUS_PER_NODE="12"), "--expert-model-parallel-size"),
     "olmoe_1b_7b_pp": (1, dict(GPUS_PER_NODE="12"), "--expert-model-parallel-size"),
 }
+# The tiny CPU twin of each Megatron-FSDP recipe (recipes/_cpu_twin.sh), and its recipe.
+TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}
+# Switches a twin drops, CPU-only (see the twin files for why).
+TWIN_DROPS = {"--moe-grouped-gemm"}
+TWIN_ONLY_DROPS = {"deepseek_v2_lite_fsdp_tiny_cpu": {"--multi-latent-attention"}}
 ALL_RECIPES = {**GPU_RECIPES,
                "tiny_cpu": (1, dict(GPUS_PER_NODE="3"), "--expert-model-parallel-size"),
-               "tiny_hybrid_cpu": (1, dict(GPUS_PER_NODE="3"), "--expert-model-parallel-size")}
+               "tiny_hybrid_cpu": (1, dict(GPUS_PER_NODE="3"), "--expert-model-parallel-size"),
+               **{twin: (1, dict(GPUS_PER_NODE="3"), "--expert-model-parallel-size")
+                  for twin in TWINS}}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -71,6 +78,25 @@ def resolved(recipe: str, **env: str) -> tuple[list[str], int]:
     nodes = int(env.get("NODES", size[0]))
     gpus = int(env.get("GPUS_PER_NODE", size[1]))
     return flags, nodes * gpus
+
+
+def recipe_array(recipe: str, name: str) -> list[str]:
+    """The bash array `name` as the recipe file sets it."""
+    out = subprocess.run(
+        ["bash", "-c", 'RECIPE_DIR=$1; source "$1/$2.sh" >/dev/null; printf "%s\\0" "${!3}"',
+         "_", str(RECIPE_DIR), recipe, f"{name}[@]"],
+        capture_output=True, text=True, check=True)
+    return out.stdout.split("\0")[:-1]
+
+
+def flag_values(flags: list[str]) -> dict[str, str | None]:
+    """flag -> its last value (None for a switch)."""
+    values = {}
+    for i, flag in enumerate(flags):
+        if flag.startswith("--"):
+            following = flags[i + 1] if i + 1 < len(flags) else None
+            values[flag] = None if following is None or following.startswith("--") else following
+    return values
 
 
 def dry_run(recipe: str, monkeypatch, extra: list[str] = (), **env: str):
@@ -146,6 +172,28 @@ def test_dry_run_fails_naming_the_flag_for_a_world_size_it_cannot_use(recipe, mo
     assert "dry run FAILED" in err and flag in err and "fix" in err, err
 
 
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_fsdp_twin_takes_its_flags_from_its_recipe(twin):
+    """A twin has its GPU recipe's flags, less the CPU-only drops; the recipe's layout values
+    (Megatron-FSDP, TP, PP, ETP, checkpoint format) unchanged, EP fitted into 4 ranks."""
+    recipe = TWINS[twin]
+    gpu, _ = resolved(recipe)
+    cpu, world = resolved(twin)
+    assert world == 4
+    gpu_values, cpu_values = flag_values(gpu), flag_values(cpu)
+    dropped = TWIN_DROPS | TWIN_ONLY_DROPS.get(twin, set())
+    assert set(cpu_values) == set(gpu_values) - dropped
+    layout = flag_values(recipe_array(recipe, "LAYOUT_ARGS"))
+    assert "--use-megatron-fsdp" in layout and "--expert-tensor-parallel-size" in layout
+    ep = "--expert-model-parallel-size"
+    for flag, value in layout.items():
+        if flag != ep:
+            assert cpu_values[flag] == value, flag
+    etp = int(layout["--expert-tensor-parallel-size"])
+    assert int(cpu_values[ep]) == min(int(layout[ep]), world // etp)
+    assert cpu_values["--transformer-impl"] == "local"
+
+
 def test_public_parameter_counts():
     """Totals match the published model sizes (within rounding)."""
     expected = {"mixtral_8x7b_pp": (46.7e9, 12.9e9), "qwen3_30b_a3b_pp": (30.5e9, 3.3e9),
@@ -157,6 +205,17 @@ def test_public_parameter_counts():
         assert abs(got_total - total) / total < 0.02, (recipe, got_total)
         if active:
             assert abs(got_active - active) / active < 0.05, (recipe, got_active)
+
+
+@pytest.mark.parametrize("grads_dtype, ratio", [(None, 1), ("fp32", 2)])
+def test_megatron_fsdp_gradients_are_priced_in_their_dtype(grads_dtype, ratio, monkeypatch):
+    """Megatron-FSDP keeps gradients in the parameters' dtype (bf16) unless told otherwise;
+    under optim_grads_params weights and gradients are sharded alike."""
+    extra = ["--megatron-fsdp-main-grads-dtype", grads_dtype] if grads_dtype else []
+    rc, out, err = dry_run("olmoe_1b_7b_fsdp", monkeypatch, extra=extra)
+    assert rc == 0, err
+    weights, grads = re.search(r"weights ([0-9.]+) GiB \+ grads ([0-9.]+) GiB", out).groups()
+    assert float(grads) == pytest.approx(ratio * float(weights), abs=0.1)
 
 
 def test_uneven_stage_split_error_names_the_flag(monkeypatch):
@@ -257,3 +316,19 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     assert tracker.exists(), sorted(p.name for p in ckpt.glob("*"))
     assert tracker.read_text().strip() == "20"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("twin", sorted(TWINS))
+def test_fsdp_twin_trains_and_saves(twin, tmp_path):
+    """The twin's flags, as train.sh resolves them, train 2 iterations on 4 CPU ranks and save
+    their fsdp_dtensor checkpoint (pretrain_moe.py on the suite's rank launcher, which forks
+    ranks that imported megatron already: torchrun would add ~9 s of imports per rank)."""
+    from _launch import launch
+
+    flags, world = resolved(twin, CKPT_DIR=str(tmp_path / "ckpt"), TRAIN_ITERS="2")
+    run = launch(world, flags, timeout=300)
+    assert run.returncode == 0, run.log[-6000:]
+    assert "Traceback" not in run.log
+    assert len(re.findall(r"iteration +\d+/ +2 \|.* lm loss: \d", run.log)) == 2
+    assert "successfully saved checkpoint from iteration       2" in run.log

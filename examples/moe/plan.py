@@ -226,10 +226,13 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
             best = (dense, expert)
     dense, expert = best
     low = 2 if (args.bf16 or args.fp16) else 4
-    grad = 4 if (args.bf16 or args.fp16) else 4
+    grad = 4  # megatron's fp32 main grads
     opt = 12 if (args.bf16 or args.fp16) else 8  # fp32 master copy (mixed precision) + Adam m, v
     dense_shard = layout.dp * layout.cp
     if args.use_megatron_fsdp:
+        # Megatron-FSDP keeps gradients in --megatron-fsdp-main-grads-dtype, whose default
+        # ('auto') is the parameters' dtype.
+        grad = {"fp32": 4, "bf16": 2, "fp16": 2}.get(args.megatron_fsdp_main_grads_dtype, low)
         strategy = args.data_parallel_sharding_strategy
         shard_w = strategy == "optim_grads_params"
         shard_g = strategy in ("optim_grads_params", "optim_grads")

@@ -1,7 +1,7 @@
 # shellcheck shell=bash disable=SC2034
 # Mixtral-8x7B, Megatron-FSDP + expert tensor parallel, 4 nodes x 8 H100 80GB (32 GPUs).
 # TP1 PP1, DP32 for the dense part (fully sharded: optim_grads_params); experts EP8 x ETP2,
-# expert-DP 2. Weights+grads+Adam ~26 GiB/GPU before activations.
+# expert-DP 2. Weights+grads+Adam ~22 GiB/GPU before activations (bf16 Megatron-FSDP grads).
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_mixtral_8x7b.sh"
 # shellcheck source=/dev/null
