@@ -194,6 +194,12 @@ class LiveRun:
         """The rank processes (the launcher's children)."""
         return psutil.Process(self.proc.pid).children()
 
+    def rank(self, rank: int) -> psutil.Process:
+        """One rank's process, as tests/_ranks.py reports it."""
+        found = [line for line in self.lines if line.startswith("[ranks] pids: ")]
+        assert found, f"no rank pids reported yet:\n{self.log()[-3000:]}"
+        return psutil.Process(int(found[0].split()[2 + rank]))
+
     def finish(self, timeout: float) -> str:
         try:
             self.proc.wait(timeout)

@@ -22,9 +22,9 @@ environment differs from the server's only where nothing reads it at import).
 A launcher hosts the rendezvous store itself (TORCHELASTIC_USE_AGENT_STORE, as torchrun's agent
 does), created after the fork so that no rank inherits its thread. When a rank exits non-zero, the
 others get GRACE_S to finish on their own (a refusal exits on every rank), then SIGTERM, then
-SIGKILL; when a rank is killed, the others are stopped at once. The launcher's last line is
-`[ranks] exit codes: C0 C1 ...` (negative: killed by that signal); its exit status is the first
-failing rank's, or 0.
+SIGKILL; when a rank is killed, the others are stopped at once. The launcher prints
+`[ranks] pids: P0 P1 ...` once the ranks run and, last, `[ranks] exit codes: C0 C1 ...`
+(negative: killed by that signal); its exit status is the first failing rank's, or 0.
 """
 
 import ctypes
@@ -137,6 +137,7 @@ def _launch(nproc: int) -> int | None:
     for write_end in writers:
         os.write(write_end, f"{store.port} tests-{uuid.uuid4().hex[:12]}".encode())
         os.close(write_end)
+    print("[ranks] pids: " + " ".join(str(pid) for pid in pids), flush=True)
     forward = lambda signum, _frame: [os.kill(pid, signum) for pid in pids]  # noqa: E731
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
