@@ -127,6 +127,7 @@ PATCH_MODULES = (
     "megatron_patches.parameter_census",
     "megatron_patches.fsdp_expert_etp_mesh",
     "megatron_patches.fsdp_dtensor_optimizer_keys",
+    "megatron_patches.fsdp_one_rank_grad_scaling",
     "megatron_patches.checkpoint_guard",
     "megatron_patches.checkpoint_commit",
 )

@@ -8,17 +8,24 @@ when its environment variable names a directory:
   model_{save<ITER>,load}_rank{R}.pt, and its CUDA RNG tracker states to
   rng_{save,load}_rank{R}.pt;
 * $GRAD_DIR: after megatron finalizes an iteration's gradients (DP reduction included), each
-  rank writes its routers' weight gradients (name -> main_grad) to grads_rank{R}.pt;
+  rank writes the gradients its optimizer will step with (name -> tensor) to grads_rank{R}.pt:
+  those of the parameters whose names match the regular expression $GRAD_NAMES (default: the
+  routers' weights). Megatron-FSDP gives this rank's shard (its local part of the DTensor);
 * $MEMORY_DIR: after megatron's first training step (the optimizer states exist), each rank of a
   Megatron-FSDP model writes what it keeps of the model's weights, gradients, main weights and
   optimizer states, counted in Megatron-FSDP's buffers and the optimizer's state tensors (buffer
   padding left out), to memory_rank{R}.json: {"weights": elements of the weights, "bytes": bytes
-  of them all}.
+  of them all};
+* $WARMUP_KEEPS_SEED=1: megatron's JIT warmup (set_jit_fusion_options) runs without moving the
+  generator megatron seeded. It draws random tensors sized by --micro-batch-size from the
+  generator that the CPU initialisation (--use-cpu-initialization) then uses, so otherwise two
+  runs that differ only in --micro-batch-size start from different weights.
 """
 
 import functools
 import json
 import os
+import re
 import sys
 
 import torch
@@ -99,15 +106,26 @@ def _observe_checkpoints(training) -> None:
     training.save_checkpoint, training.load_checkpoint = save_checkpoint, load_checkpoint
 
 
-def _observe_router_grads(training) -> None:
+def _reduced_grad(param) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    # After finish_grad_sync Megatron-FSDP's module parameters are DTensors whose `grad` is this
+    # rank's reduced shard (None where the shard is empty); megatron's DDP keeps `main_grad`.
+    if isinstance(param, DTensor):
+        return param.grad.to_local() if param.grad is not None else torch.empty(0)
+    return param.main_grad
+
+
+def _observe_grads(training) -> None:
     finalize = training.finalize_model_grads
+    names = re.compile(os.environ.get("GRAD_NAMES", r"router\.weight"))
 
     @functools.wraps(finalize)
     def finalize_model_grads(model, *args, **kwargs):
         result = finalize(model, *args, **kwargs)
-        grads = {name: param.main_grad.detach().clone()
+        grads = {name: _reduced_grad(param).detach().clone()
                  for chunk in model for name, param in chunk.named_parameters()
-                 if "router.weight" in name}
+                 if names.search(name)}
         path = os.path.join(os.environ["GRAD_DIR"], f"grads_rank{torch.distributed.get_rank()}.pt")
         torch.save(grads, path)
         return result
@@ -157,6 +175,19 @@ def _observe_memory(training) -> None:
     training.train_step = train_step
 
 
+def _warmup_keeps_seed(training) -> None:
+    warmup = training.set_jit_fusion_options
+
+    @functools.wraps(warmup)
+    def set_jit_fusion_options(*args, **kwargs):
+        # The CPU backend's "CUDA" generator is the CPU one, which fork_rng always restores.
+        cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=cuda):
+            return warmup(*args, **kwargs)
+
+    training.set_jit_fusion_options = set_jit_fusion_options
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from megatron_patches import cpu_backend
@@ -167,7 +198,9 @@ if __name__ == "__main__":
     if os.environ.get("SNAPSHOT_DIR"):
         _observe_checkpoints(training)
     if os.environ.get("GRAD_DIR"):
-        _observe_router_grads(training)
+        _observe_grads(training)
     if os.environ.get("MEMORY_DIR"):
         _observe_memory(training)
+    if os.environ.get("WARMUP_KEEPS_SEED") == "1":
+        _warmup_keeps_seed(training)
     pretrain_moe.main(sys.argv[1:])
