@@ -1,7 +1,7 @@
 """Every expert-parallel rank resumes with its own expert RNG state, not EP rank 0's.
 
-Upstream: none found (megatron-core 0.19.2 `megatron/training/checkpointing.py`). Targets
-megatron-core 0.19.x.
+Upstream: Megatron-LM PR #6858 (merged after 0.19; megatron-core 0.19.2
+`megatron/training/checkpointing.py`). Targets megatron-core 0.19.x.
 
 megatron keeps one CUDA RNG tracker stream for the expert region, 'expert-parallel-rng', seeded
 per expert rank (seed + 1024 + 100 * EP rank + ETP rank). `get_rng_state` saves the RNG state
@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 
 from megatron_patches import collectives
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "expert-rng-per-ep-rank"
 STREAMS = "expert_rng_states_by_ep_etp_rank"  # the entry this patch adds to the saved RNG state
@@ -132,7 +132,7 @@ def _with_own_stream_restored(load_base_checkpoint):
 
 def _apply() -> None:
     checkpointing = _checkpointing()
-    if getattr(checkpointing.get_rng_state, "__wrapped_by__", None) == NAME:
+    if wrapped_by(checkpointing.get_rng_state, NAME):
         return
     checkpointing.get_rng_state = _with_expert_streams(checkpointing.get_rng_state)
     checkpointing._load_base_checkpoint = _with_own_stream_restored(
@@ -142,7 +142,7 @@ def _apply() -> None:
 def _not_needed_because(context: PatchContext) -> str | None:
     """Telling needs two expert ranks, which do not exist when patches are decided; so this
     reads whether megatron's get_rng_state asks for the expert ranks at all."""
-    names = _checkpointing().get_rng_state.__code__.co_names
+    names = unwrapped(_checkpointing().get_rng_state).__code__.co_names
     if any("expert" in name for name in names):
         return "megatron's get_rng_state saves the RNG state per expert rank"
     return None
@@ -150,7 +150,7 @@ def _not_needed_because(context: PatchContext) -> str | None:
 
 PATCH = register(Patch(
     name=NAME,
-    upstream="megatron-core 0.19.2 checkpointing.get_rng_state (RNG saved per (PP, TP) rank)",
+    upstream="Megatron-LM PR #6858 (checkpointing.get_rng_state saves RNG per (PP, TP) rank)",
     versions=">=0.19,<0.20",
     summary="each expert rank's expert RNG stream saved and restored to that rank",
     not_needed_because=_not_needed_because,

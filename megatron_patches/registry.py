@@ -107,6 +107,23 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
     return statuses
 
 
+def wrapped_by(function, name: str) -> bool:
+    """Whether `function` or one it wraps (functools.wraps' __wrapped__ chain) is patch `name`'s
+    wrapper: two patches may wrap the same megatron function, in either order."""
+    while function is not None:
+        if getattr(function, "__wrapped_by__", None) == name:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def unwrapped(function):
+    """megatron's own function under every patch's wrapper."""
+    while getattr(function, "__wrapped__", None) is not None:
+        function = function.__wrapped__
+    return function
+
+
 # Every patch module, imported (and so registered) by load_patches(), in the order applied.
 PATCH_MODULES = (
     "megatron_patches.dataset_helpers",
@@ -117,6 +134,7 @@ PATCH_MODULES = (
     "megatron_patches.scheduler_resume_weight_decay",
     "megatron_patches.global_aux_loss_dp_scale",
     "megatron_patches.expert_rng_resume",
+    "megatron_patches.fsdp_dtensor_rng_per_tp_rank",
     "megatron_patches.expert_load_metrics",
     "megatron_patches.layer_layout",
     "megatron_patches.built_model",

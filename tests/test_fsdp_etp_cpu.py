@@ -208,3 +208,4 @@ def test_census_of_optim_grads_keeps_whole_weights(tmp_path):
                  env={"MEMORY_DIR": str(tmp_path)}, script=OBSERVED, timeout=300).check()
     check_census(run.log, tmp_path, 2)
     assert int(CENSUS.search(run.log).group(2)) == tiny_model_parameters(swiglu=True)
+

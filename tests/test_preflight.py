@@ -2,16 +2,14 @@
 anything -- one line naming the flag and the fix, printed once, exit status 2, no traceback,
 nothing written to --save.
 
-Most cases run pretrain_moe.py as rank 0 of a WORLD_SIZE-rank job (the environment torchrun or
-srun gives rank 0; preflight needs no process group); one case goes through torchrun with two
-ranks to show every rank stops and the message is printed once.
+Each case runs pretrain_moe.py on every rank of its world (every rank exits with status 2, rank
+0 prints the line); one case goes through torchrun with two ranks, as users start it, to show
+the job stops and the message is printed once.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -66,17 +64,10 @@ CASES = {
 BAD_INPUTS_TRIED = len(CASES) + 2  # + the unsupported megatron-core install + the torchrun case
 
 
-def run_rank0(world: int, flags: list[str], extra_env: dict | None = None,
-              timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WORLD_SIZE": str(world),
-           "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world), **(extra_env or {})}
-    return subprocess.run([sys.executable, str(REPO / "pretrain_moe.py"), *flags], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def assert_refused(returncode: int, output: str, flag: str, save_dir, seconds: float) -> None:
+def assert_refused(run, world: int, flag: str, save_dir, seconds: float) -> None:
+    output = run.log
     errors = [line for line in output.splitlines() if line.startswith("pretrain_moe: error:")]
-    assert returncode == 2, f"exit status {returncode}, expected 2:\n{output[-3000:]}"
+    assert run.exit_codes == [2] * world, f"exit codes {run.exit_codes}:\n{output[-3000:]}"
     assert len(errors) == 1, f"expected one refusal line, got {errors}:\n{output[-3000:]}"
     assert flag in errors[0] and "fix" in errors[0].lower(), errors[0]
     assert "Traceback" not in output, output[-3000:]
@@ -93,9 +84,8 @@ def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path):
     if case != "save-without-save-interval":
         flags = [*flags, "--save-interval", "1"]
     started = time.monotonic()
-    done = run_rank0(world, [*flags, "--save", str(save), "--eval-interval", "1000"])
-    assert_refused(done.returncode, done.stdout + done.stderr, flag, save,
-                   time.monotonic() - started)
+    run = launch(world, [*flags, "--save", str(save), "--eval-interval", "1000"], timeout=180)
+    assert_refused(run, world, flag, save, time.monotonic() - started)
 
 
 def test_unsupported_megatron_core_is_refused_with_status_2(tmp_path):
@@ -104,11 +94,10 @@ def test_unsupported_megatron_core_is_refused_with_status_2(tmp_path):
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\n"
                                         "Version: 0.18.0\n")
     started = time.monotonic()
-    done = run_rank0(1, [*BASE, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"],
-                     {"PYTHONPATH": f"{tmp_path / 'site'}:{REPO}"})
-    assert_refused(done.returncode, done.stdout + done.stderr, "megatron-core 0.18.0",
-                   tmp_path / "ckpt", time.monotonic() - started)
-    assert "MCORE=legacy bash scripts/setup.sh" in done.stderr
+    run = launch(1, [*BASE, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"],
+                 env={"PYTHONPATH": f"{tmp_path / 'site'}:{REPO}"}, timeout=180)
+    assert_refused(run, 1, "megatron-core 0.18.0", tmp_path / "ckpt", time.monotonic() - started)
+    assert "MCORE=legacy bash scripts/setup.sh" in run.log
 
 
 def test_every_rank_stops_and_one_rank_explains(tmp_path):
