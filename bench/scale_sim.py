@@ -10,17 +10,21 @@ over PP, replicas over DP / expert-DP), plus the distributed optimizer's fully_r
 states (fp32 param, exp_avg, exp_avg_sq: param-shaped ShardedTensors) -- on meta tensors. Then:
 
 * megatron's own check, `validate_sharding_integrity` (rank 0's work), on all ranks' metadata;
-* the save guard's tiling check (`checkpoint_guard.enforce_complete_layout`, every rank's work)
-  on the same metadata;
-* the load guard of one rank (the rank with the most tensors) against a `.metadata` built from
-  the main replicas (`checkpoint_guard.judge_against_saved`, as `load_problems` calls it);
-* the load-integrity file check (`checkpoint_commit.file_problems`, rank 0 only) on a real
-  directory: a `.metadata` with one storage entry per saved chunk and one (sparse) .distcp
-  file per rank, counting its filesystem calls.
+* the save guard at a structure's first save (every rank's work): the fingerprint of the rank's
+  own part, then the tiling check (`checkpoint_guard.enforce_complete_layout`) on the same
+  metadata; later saves of that structure cost the fingerprint only;
+* on a real directory: a `.metadata` as torch writes it (every tensor's global shape and main-
+  replica chunks, one storage entry per chunk), megatron's metadata.json and one (sparse)
+  .distcp file per rank. Inside one load's `checkpoint_reads.reading_once`, as in a real load:
+  the `.metadata` unpickle (megatron's own read, once per rank, which the checks reuse), the load
+  guard of the rank with the most tensors (`checkpoint_guard.load_problems`) and the
+  load-integrity file check (`checkpoint_commit.file_problems`, rank 0 only), counting their
+  filesystem calls.
 
-Filesystem operations per rank and in total are counted from that run and from the code paths
-(what each rank opens/stats at load and fsyncs at commit). Peak memory is the process's peak
-resident size so far (sizes run in increasing order, so it is that size's peak).
+The ratio is (save guard + load guard + integrity) / megatron's check. Filesystem operations per
+rank and in total are counted from that run and from the code paths (what each rank opens/stats
+at load and fsyncs at commit). Peak memory is the process's peak resident size so far (sizes run
+in increasing order, so it is that size's peak).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import builtins
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import pickle
@@ -42,13 +47,18 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica  # noqa: E402
 from megatron.core.dist_checkpointing.validation import validate_sharding_integrity  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from megatron_patches import checkpoint_commit, checkpoint_guard  # noqa: E402
-from megatron_patches.checkpoint_metadata import SavedTensor  # noqa: E402
+from megatron_patches import checkpoint_commit, checkpoint_guard, checkpoint_reads  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,32 +215,36 @@ def counting_filesystem_calls(counts: dict[str, int]):
 
 
 def write_checkpoint_dir(path: str, global_metadata, world: int) -> int:
-    """A torch_dist directory as file_problems sees it: `.metadata` with one storage entry per
-    saved (main replica) chunk, spread over one sparse .distcp file per rank."""
-    storage, ends = {}, [0] * world
+    """A torch_dist directory as the load checks see it: a `.metadata` as torch writes it (each
+    tensor's global shape and main-replica chunks; one storage entry per chunk, spread over one
+    sparse .distcp file per rank) and megatron's metadata.json."""
+    state, storage, ends = {}, {}, [0] * world
+    by_key: dict[str, list] = {}
     for rank, shardings in enumerate(global_metadata):
         for sh in shardings:
-            if sh.replica_id == 0 or all(r == 0 for r in sh.replica_id):
-                length = math.prod(sh.local_shape) * 2
-                storage[MetadataIndex(sh.key, sh.global_offset)] = _StorageInfo(
-                    f"__{rank}_0.distcp", ends[rank], length)
-                ends[rank] += length
+            by_key.setdefault(sh.key, []).append((rank, sh))
+    for key, ranked in by_key.items():
+        chunks = []
+        for rank, sh in ranked:
+            if not is_main_replica(sh.replica_id):
+                continue
+            offsets, sizes = tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(
+                sh.local_shape)
+            chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            length = math.prod(sizes) * 2
+            storage[MetadataIndex(key, offsets)] = _StorageInfo(f"__{rank}_0.distcp", ends[rank],
+                                                                length)
+            ends[rank] += length
+        state[key] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                           torch.Size(ranked[0][1].global_shape), chunks)
     with open(os.path.join(path, ".metadata"), "wb") as f:
-        pickle.dump(Metadata(state_dict_metadata={}, storage_data=storage), f)
+        pickle.dump(Metadata(state_dict_metadata=state, storage_data=storage), f)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     for rank, end in enumerate(ends):
         with open(os.path.join(path, f"__{rank}_0.distcp"), "wb") as f:
             f.truncate(end)
     return len(storage)
-
-
-def saved_tensors(global_metadata) -> dict[str, SavedTensor]:
-    by_key = {}
-    for shardings in global_metadata:
-        for sh in shardings:
-            by_key.setdefault(sh.key, []).append(sh)
-    return {key: SavedTensor(key, tuple(shs[0].global_shape), 2,
-                             tuple(checkpoint_guard._main_replica_boxes(shs)))
-            for key, shs in by_key.items()}
 
 
 def timed(fn):
@@ -242,36 +256,42 @@ def timed(fn):
 def simulate(model: Model, world: int) -> dict:
     global_metadata = [rank_shardings(model, world, r) for r in range(world)]
     shards = sum(map(len, global_metadata))
-    megatron = timed(lambda: validate_sharding_integrity(global_metadata))
-    save_guard = timed(lambda: checkpoint_guard.enforce_complete_layout(global_metadata))
-    saved = saved_tensors(global_metadata)
     busiest = max(range(world), key=lambda r: len(global_metadata[r]))
-    layouts = ({**model.layout(world)}, {**model.layout(world)})
-
-    load = timed(lambda: checkpoint_guard.judge_against_saved(
-        global_metadata[busiest], saved, None, layouts))
+    megatron = timed(lambda: validate_sharding_integrity(global_metadata))
+    # A structure's first save: the fingerprint of the rank's own part, then the tiling check.
+    save_guard = timed(lambda: (checkpoint_guard._structure_fingerprint(global_metadata[busiest]),
+                                checkpoint_guard.enforce_complete_layout(global_metadata)))
+    later_save = timed(lambda: checkpoint_guard._structure_fingerprint(global_metadata[busiest]))
     with tempfile.TemporaryDirectory(prefix="scale_sim_") as directory:
         entries = write_checkpoint_dir(directory, global_metadata, world)
-        counts = {"open": 0, "stat": 0}
-        with counting_filesystem_calls(counts):
-            start = time.perf_counter()
-            assert checkpoint_commit.file_problems(directory) == []
-            integrity = time.perf_counter() - start
+        with checkpoint_reads.reading_once() as reads:
+            # megatron's own read of .metadata (once per rank); the checks reuse it.
+            unpickle = timed(lambda: reads.metadata(directory))
+            guard_ops, integrity_ops = {"open": 0, "stat": 0}, {"open": 0, "stat": 0}
+            with counting_filesystem_calls(guard_ops):
+                start = time.perf_counter()
+                problems = checkpoint_guard.load_problems(global_metadata[busiest], directory)
+                load_guard = time.perf_counter() - start
+            with counting_filesystem_calls(integrity_ops):
+                start = time.perf_counter()
+                problems += checkpoint_commit.file_problems(directory)
+                integrity = time.perf_counter() - start
+        assert problems == [], problems[:3]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     files = world + 2  # one .distcp per rank, .metadata, metadata.json
-    integrity_ops = counts["open"] + counts["stat"]
-    # Per load: rank 0's file check (counted above), and on every rank the layout guard's
-    # .metadata + metadata.json + saved-args reads (3). Per commit: each rank fsyncs its own
-    # file (open+fsync), rank 0 the two shared ones and the directory.
-    load_ops_total = integrity_ops + 3 * world
-    before_total = world * (integrity_ops + 2 * files + 4)  # every rank: both checks, 2 reads
+    guard_ops, integrity_ops = sum(guard_ops.values()), sum(integrity_ops.values())
+    # Per load: every rank the layout guard's reads, rank 0 also the file check. Before
+    # (issue 14): every rank ran both checks, each reading .metadata and every rank stat-ing
+    # every file.
+    load_ops_total = integrity_ops + guard_ops * world
+    before_total = world * (integrity_ops + 2 * files + 4)
     return {"model": model.name, "world": world, "layout": model.layout(world),
             "shards": shards, "chunks_saved": entries, "megatron_s": megatron,
-            "save_guard_s": save_guard, "load_guard_s": load, "integrity_s": integrity,
-            "peak_mib": peak / 2**20, "integrity_ops_rank0": integrity_ops,
-            "load_ops_per_rank": 3, "load_ops_total": load_ops_total,
-            "load_ops_total_before": before_total, "commit_fsyncs_per_rank": 1,
-            "commit_fsyncs_rank0": 4, "files": files}
+            "save_guard_s": save_guard, "later_save_s": later_save, "unpickle_s": unpickle,
+            "load_guard_s": load_guard, "integrity_s": integrity,
+            "peak_mib": peak / 2**20, "guard_ops": guard_ops, "integrity_ops": integrity_ops,
+            "load_ops_total": load_ops_total, "load_ops_total_before": before_total,
+            "files": files}
 
 
 def main() -> None:
@@ -286,14 +306,17 @@ def main() -> None:
     for name in options.models.split(","):
         for world in map(int, options.sizes.split(",")):
             r = simulate(MODELS[name], world)
-            ours = r["save_guard_s"] + r["integrity_s"]
+            ours = r["save_guard_s"] + r["load_guard_s"] + r["integrity_s"]
             layout = " ".join(f"{k}{v}" for k, v in r["layout"].items())
             print(f"{r['model']:14s} ranks {world:5d} {layout}: {r['shards']:8d} shards, "
                   f"{r['chunks_saved']:7d} saved chunks | megatron check {r['megatron_s']:7.2f} s"
-                  f" | save guard {r['save_guard_s']:6.2f} s, load guard (1 rank) "
+                  f" | save guard {r['save_guard_s']:6.2f} s (later saves "
+                  f"{r['later_save_s'] * 1e3:.1f} ms), load guard (1 rank) "
                   f"{r['load_guard_s']:5.2f} s, integrity (rank 0) {r['integrity_s']:5.2f} s = "
-                  f"{ours / r['megatron_s']:.3f} of megatron's | peak {r['peak_mib']:7.0f} MiB | "
-                  f"load FS ops: rank 0 {r['integrity_ops_rank0'] + 3}, others 3, total "
+                  f"{ours / r['megatron_s']:.3f} of megatron's | .metadata unpickle "
+                  f"{r['unpickle_s']:5.2f} s, once per rank, shared with megatron's load | "
+                  f"peak {r['peak_mib']:7.0f} MiB | load FS ops: rank 0 "
+                  f"{r['guard_ops'] + r['integrity_ops']}, others {r['guard_ops']}, total "
                   f"{r['load_ops_total']} (before: {r['load_ops_total_before']}); commit fsyncs: "
                   f"1 per rank + 4 on rank 0", flush=True)
             if world == 1024 and name == "deepseek-v3":

@@ -73,7 +73,7 @@ import threading
 import time
 from typing import Callable
 
-from megatron_patches import collectives
+from megatron_patches import checkpoint_reads, collectives
 from megatron_patches.registry import Patch, PatchContext, register
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -383,10 +383,8 @@ def file_problems(iteration_dir: str) -> list[str]:
     if not os.path.isfile(metadata_path):
         return [f".metadata is missing (the file that lists every tensor), so no tensor can "
                 f"be located"]
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        metadata = FileSystemReader(iteration_dir).read_metadata()
+        metadata = checkpoint_reads.read_metadata(iteration_dir)
     except Exception as exc:  # a truncated or garbled pickle raises anything
         return [f".metadata is unreadable ({type(exc).__name__}: {exc})"]
     storage = getattr(metadata, "storage_data", None) or {}
@@ -658,18 +656,20 @@ def _wrap_load(original: Callable) -> Callable:
         # only atomic-checkpoint-commit's saves need the claim.
         if margs.save and hasattr(checkpointing.save_checkpoint, _MARK):
             _own(margs.save, create=False)
-        if load_dir and os.path.isdir(load_dir):  # read only: it may be another job's
-            # One rank reads the files (on a shared filesystem every rank sees the same ones:
-            # 1,024 ranks stat-ing every .distcp file is millions of metadata operations), all
-            # ranks get its verdict.
-            problems = collectives.union(
-                load_problems(load_dir, getattr(margs, "ckpt_step", None),
-                              getattr(margs, "ckpt_format", None))
-                if collectives.rank() == 0 else [])
-            if problems:
-                raise CheckpointLoadError(" | ".join(problems))
-        with _schedule_mismatch_refused(call.arguments.get("opt_param_scheduler"), load_dir):
-            return original(*args, **kwargs)
+        # One read of `.metadata` per rank for this check, the #1836 guard and megatron's load.
+        with checkpoint_reads.reading_once():
+            if load_dir and os.path.isdir(load_dir):  # read only: it may be another job's
+                # One rank reads the files (on a shared filesystem every rank sees the same
+                # ones: 1,024 ranks stat-ing every .distcp file is millions of metadata
+                # operations), all ranks get its verdict.
+                problems = collectives.union(
+                    load_problems(load_dir, getattr(margs, "ckpt_step", None),
+                                  getattr(margs, "ckpt_format", None))
+                    if collectives.rank() == 0 else [])
+                if problems:
+                    raise CheckpointLoadError(" | ".join(problems))
+            with _schedule_mismatch_refused(call.arguments.get("opt_param_scheduler"), load_dir):
+                return original(*args, **kwargs)
 
     setattr(load_checkpoint, _MARK, True)
     return load_checkpoint

@@ -8,7 +8,6 @@ values).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -46,50 +45,59 @@ def coverage(global_shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
     """
     boxes = [(tuple(o), tuple(s)) for o, s in boxes]
     ndim = len(global_shape)
-    total = math.prod(global_shape)
     if ndim == 0:
         return Coverage(0.0 if boxes else 1.0, len(boxes) > 1, False)
-    out_of_bounds = any(
-        len(o) != ndim or any(a < 0 or a + b > g for a, b, g in zip(o, s, global_shape))
-        for o, s in boxes
-    )
-    boxes = [(o, s) for o, s in boxes if len(o) == ndim]
-    if not out_of_bounds and (regular := _regular_grid_coverage(global_shape, boxes)) is not None:
+    ragged = any(len(o) != ndim or len(s) != ndim for o, s in boxes)
+    boxes = [(o, s) for o, s in boxes if len(o) == ndim and len(s) == ndim]
+    shape = np.asarray(global_shape, dtype=np.int64)
+    offsets = np.asarray([o for o, _ in boxes], dtype=np.int64).reshape(-1, ndim)
+    sizes = np.asarray([s for _, s in boxes], dtype=np.int64).reshape(-1, ndim)
+    return coverage_of_arrays(shape, offsets, sizes, ragged)
+
+
+def coverage_of_arrays(shape: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+                       out_of_bounds: bool = False) -> Coverage:
+    """`coverage` of boxes given as [n, ndim] offset and size arrays (the save guard's form)."""
+    out_of_bounds = bool(out_of_bounds or (offsets < 0).any() or (offsets + sizes > shape).any())
+    if not out_of_bounds and (regular := _regular_grid_coverage(shape, offsets, sizes)):
         return regular
-    bounds = [sorted({0, g} | {min(max(o[d], 0), g) for o, _ in boxes}
-                     | {min(max(o[d] + s[d], 0), g) for o, s in boxes})
-              for d, g in enumerate(global_shape)]
+    total = float(np.prod(shape.astype(np.float64)))
+    ends = np.clip(offsets + sizes, 0, shape)
+    starts = np.clip(offsets, 0, shape)
+    bounds = [np.unique(np.concatenate(([0, g], starts[:, d], ends[:, d])))
+              for d, g in enumerate(shape.tolist())]
     counts = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
-    for o, s in boxes:
-        index = tuple(slice(np.searchsorted(b, min(max(o[d], 0), global_shape[d])),
-                            np.searchsorted(b, min(max(o[d] + s[d], 0), global_shape[d])))
-                      for d, b in enumerate(bounds))
-        counts[index] += 1
+    for start, end in zip(starts, ends):
+        counts[tuple(slice(np.searchsorted(b, a), np.searchsorted(b, e))
+                     for b, a, e in zip(bounds, start, end))] += 1
     cell_volume = np.ones(counts.shape, dtype=np.float64)
     for d, b in enumerate(bounds):
-        widths = np.diff(np.asarray(b, dtype=np.float64))
-        cell_volume *= widths.reshape([-1 if i == d else 1 for i in range(ndim)])
+        widths = np.diff(b.astype(np.float64))
+        cell_volume *= widths.reshape([-1 if i == d else 1 for i in range(len(bounds))])
     missing = float(cell_volume[counts == 0].sum()) / total if total else 0.0
     return Coverage(missing, bool((counts > 1).any()), out_of_bounds)
 
 
-def _regular_grid_coverage(global_shape: Sequence[int], boxes: list) -> Coverage | None:
-    """Fast path for the usual case: equal boxes on a grid of their size (a set, no array).
+def _regular_grid_coverage(shape: np.ndarray, offsets: np.ndarray,
+                           sizes: np.ndarray) -> Coverage | None:
+    """Fast path for the usual case: equal boxes on a grid of their size that divides the
+    shape (cells counted by their grid index, no array of the grid).
 
     None when the boxes are not such a grid; the general path handles them.
     """
-    if not boxes:
-        return None
-    size = boxes[0][1]
-    if any(s != size for _, s in boxes) or any(
-            o % max(n, 1) for offsets, _ in boxes for o, n in zip(offsets, size)):
-        return None
-    cells = math.prod(-(-g // max(n, 1)) for g, n in zip(global_shape, size))
-    if any(g % max(n, 1) for g, n in zip(global_shape, size)):
-        return None  # a ragged last row of cells: let the general path measure it
-    distinct = len({o for o, _ in boxes})
-    return Coverage(1 - distinct / cells if cells else 0.0, distinct < len(boxes), False)
-
+    if not len(offsets) or (sizes != sizes[0]).any() or (sizes[0] <= 0).any():
+        return None  # empty boxes cover nothing: the general path counts them so
+    size = sizes[0]
+    if (offsets % size).any() or (shape % size).any():
+        return None  # off the grid, or a ragged last row of cells: the general path measures it
+    grid = shape // size
+    cells = int(np.prod(grid.astype(object)))  # exact however large
+    index = offsets // size
+    flat = np.zeros(len(index), dtype=object if cells >= 2**62 else np.int64)
+    for d in range(index.shape[1]):  # row-major cell number
+        flat = flat * int(grid[d]) + index[:, d]
+    distinct = len(np.unique(flat))
+    return Coverage(1 - distinct / cells if cells else 0.0, distinct < len(index), False)
 
 
 def describe_chunks(boxes: Iterable[Box]) -> str:

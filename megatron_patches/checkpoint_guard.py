@@ -17,10 +17,10 @@ Save guard ("checkpoint-completeness-guard"):
 * tiling: on the metadata megatron has already all-gathered for its own check (or, where it
   skips that gather, on our own), every rank checks that main replicas cover each tensor once,
   so every rank raises the same error instead of rank 0 alone.
-* with --ckpt-assume-constant-structure (megatron then checks and gathers once, at the first
-  save) both checks run once per structure: later saves whose sharded entries are unchanged on
-  every rank (one small all-gather of a flag) reuse the verdict instead of re-gathering all
-  ranks' metadata and walking every parameter.
+* both checks run once per structure: a later save whose sharded entries are unchanged on
+  every rank (one small all-gather of a flag) reuses the verdict instead of walking every
+  parameter and every rank's metadata again. With --ckpt-assume-constant-structure (megatron
+  then gathers and checks at the first save only) the guard gathers nothing more either.
 
 Load guard ("checkpoint-load-guard"): before megatron reads anything it compares the
 checkpoint's `.metadata` with the state dict of the model being loaded into and with the args
@@ -46,6 +46,7 @@ import re
 from collections import defaultdict
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -62,8 +63,13 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies import fully_parallel
 from megatron.core.dist_checkpointing.validation import determine_global_metadata
 
-from megatron_patches import collectives, registry
-from megatron_patches.checkpoint_geometry import coverage, describe_chunks
+from megatron_patches import checkpoint_reads, collectives, registry
+from megatron_patches.checkpoint_geometry import (
+    Coverage,
+    coverage,
+    coverage_of_arrays,
+    describe_chunks,
+)
 from megatron_patches.checkpoint_metadata import (
     TRACKER_FILE,
     SavedTensor,
@@ -153,15 +159,20 @@ def refuse_wrong_model_shapes(state_dict: dict, model_chunks: Any, group=None) -
             f"signature).{_listing(problems)}")
 
 
-# --ckpt-assume-constant-structure: megatron checks the sharding of its first save and reuses
-# that; the guard's checks likewise run once per structure. check name -> the fingerprint of
-# the structure (this rank's) that passed it.
-_passed_structures: dict[str, int] = {}
+# Each check runs once per structure. A verdict depends only on the structure of what it
+# judges (each sharded entry's key, shapes, offsets, replica and flat range, and the model it
+# belongs to; not the data), so a later save whose structure is unchanged on every rank (one
+# small all-gather of a flag) reuses it instead of walking every parameter, or every rank's
+# gathered metadata, again. This is what megatron itself does with
+# --ckpt-assume-constant-structure, here for every run. check name -> fingerprints (this
+# rank's) that passed it.
+_passed_structures: dict[str, set[int]] = defaultdict(set)
+_KEPT_PER_CHECK = 16  # a save validates two structures (before and after the fully parallel split)
 
 
 def _structure_fingerprint(tree: Any, extra: tuple = ()) -> int:
     """What a check's verdict depends on: each sharded entry's key, shapes, offsets, replica
-    and flat range (this rank's; not the data)."""
+    and flat range, each DTensor's shape and placements (this rank's; not the data)."""
     entries = []
     for value in nested_values(tree):
         if isinstance(value, ShardedTensorFactory):
@@ -171,14 +182,23 @@ def _structure_fingerprint(tree: Any, extra: tuple = ()) -> int:
             entries.append((value.key, tuple(value.global_shape), tuple(value.global_offset),
                             tuple(getattr(value, "local_shape", ())), str(value.replica_id),
                             (flat.start, flat.stop) if flat is not None else None))
+        elif isinstance(value, DTensor):
+            entries.append((tuple(value.shape), str(value.placements)))
     return hash((extra, tuple(entries)))
 
 
 def _passed_before(check: str, fingerprint: int | None) -> bool:
-    """Whether every rank's structure is the one that passed `check` (collective; a
-    `fingerprint` of None, no constant structure assumed, never passed before)."""
+    """Whether every rank's structure is one that passed `check` (collective; a `fingerprint`
+    of None never passed)."""
     return not collectives.any_rank(
-        fingerprint is None or _passed_structures.get(check) != fingerprint)
+        fingerprint is None or fingerprint not in _passed_structures[check])
+
+
+def _passed(check: str, fingerprint: int) -> None:
+    passed = _passed_structures[check]
+    if len(passed) >= _KEPT_PER_CHECK:
+        passed.clear()
+    passed.add(fingerprint)
 
 
 def _guard_generate_state_dict(original: Callable) -> Callable:
@@ -191,16 +211,13 @@ def _guard_generate_state_dict(original: Callable) -> Callable:
         margs, model = bound.arguments["args"], bound.arguments["model"]
         # These formats build the state dict on every rank (the legacy `torch` format does not).
         if getattr(margs, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor"):
-            fingerprint = None
-            if getattr(margs, "ckpt_assume_constant_structure", False):
-                chunks = model if isinstance(model, (list, tuple)) else [model]
-                fingerprint = _structure_fingerprint(
-                    {k: v for k, v in state_dict.items() if str(k).startswith("model")},
-                    tuple(id(chunk) for chunk in chunks))
+            chunks = model if isinstance(model, (list, tuple)) else [model]
+            fingerprint = _structure_fingerprint(
+                {k: v for k, v in state_dict.items() if str(k).startswith("model")},
+                tuple(id(chunk) for chunk in chunks))
             if not _passed_before("model shapes", fingerprint):
                 refuse_wrong_model_shapes(state_dict, model)
-                if fingerprint is not None:
-                    _passed_structures["model shapes"] = fingerprint
+                _passed("model shapes", fingerprint)
         return state_dict
 
     setattr(generate_state_dict, _MARK, True)
@@ -213,38 +230,81 @@ def _guard_generate_state_dict(original: Callable) -> Callable:
 
 
 def tiling_problems(global_metadata: list[list[Any]]) -> list[str]:
-    """Tensors whose main replicas, over all ranks' metadata, do not tile the declared shape once."""
-    by_key: dict[str, list[ShardedTensor]] = defaultdict(list)
+    """Tensors whose main replicas, over all ranks' metadata, do not tile the declared shape once.
+
+    One pass over every rank's shardings keeps, per key, the main replicas' offsets and sizes
+    (megatron's own check walks the same entries); the tiling of each key is then judged on
+    arrays of them (checkpoint_geometry.coverage_of_arrays)."""
+    main_by_replica_id: dict[Any, bool] = {}
+    by_key: dict[str, _KeyChunks] = {}
     for rank_metadata in global_metadata:
-        for sharding in rank_metadata:
-            if isinstance(sharding, ShardedTensor):
-                by_key[sharding.key].append(sharding)
+        for sh in rank_metadata:
+            if not isinstance(sh, ShardedTensor):
+                continue
+            chunks = by_key.get(sh.key)
+            if chunks is None:
+                chunks = by_key[sh.key] = _KeyChunks(sh.global_shape)
+            replica = sh.replica_id
+            main = main_by_replica_id.get(replica)
+            if main is None:
+                main = main_by_replica_id[replica] = is_main_replica(replica)
+            if not main:
+                continue
+            if sh.flattened_range is not None:  # distributed-optimizer flat pieces
+                chunks.flat.append(sh)
+            else:  # inline, not a method: this loop runs once per shard of the checkpoint
+                chunks.offsets.append(sh.global_offset)
+                chunks.local_shapes.append(sh.local_shape)
+                chunks.prepend.append(sh.prepend_axis_num)
     problems = []
-    for key, shardings in sorted(by_key.items()):
-        boxes = _main_replica_boxes(shardings)
-        cov = coverage(shardings[0].global_shape, boxes)
+    for key, chunks in sorted(by_key.items()):
+        cov = chunks.coverage()
         if not cov.exact:
+            boxes = chunks.boxes()
             problems.append(f"{key}: {"; ".join(cov.problems())}; global shape "
-                            f"{list(shardings[0].global_shape)}; main replicas: "
+                            f"{list(chunks.global_shape)}; main replicas: "
                             f"{describe_chunks(boxes)}")
     return problems
 
 
-def _main_replica_boxes(shardings: list[ShardedTensor]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(global_offset, size) per main-replica chunk; flattened chunks count when whole."""
-    flat_cover: dict[tuple, int] = defaultdict(int)
-    boxes = []
-    for sh in shardings:
-        if not is_main_replica(sh.replica_id):
-            continue
+class _KeyChunks:
+    """One key's main-replica chunks, as tiling_problems collects them."""
+
+    __slots__ = ("global_shape", "offsets", "local_shapes", "prepend", "flat")
+
+    def __init__(self, global_shape):
+        self.global_shape = tuple(global_shape)
+        self.offsets: list[tuple[int, ...]] = []
+        self.local_shapes: list[tuple[int, ...]] = []
+        self.prepend: list[int] = []
+        self.flat: list[ShardedTensor] = []  # distributed-optimizer flat pieces
+
+    def boxes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        boxes = [(tuple(o), (1,) * p + tuple(s))
+                 for o, s, p in zip(self.offsets, self.local_shapes, self.prepend)]
+        return boxes + _whole_flat_boxes(self.flat)
+
+    def coverage(self) -> Coverage:
+        ndim = len(self.global_shape)
+        if self.flat or len(set(self.prepend)) > 1 or len(set(map(tuple, self.local_shapes))) > 1:
+            return coverage(self.global_shape, self.boxes())
+        if not self.offsets:
+            return coverage(self.global_shape, [])
+        size = (1,) * self.prepend[0] + tuple(self.local_shapes[0])
+        offsets = np.asarray(self.offsets, dtype=np.int64)
+        if len(size) != ndim or offsets.shape != (len(self.offsets), ndim):
+            return coverage(self.global_shape, self.boxes())
+        sizes = np.broadcast_to(np.asarray(size, dtype=np.int64), offsets.shape)
+        return coverage_of_arrays(np.asarray(self.global_shape, dtype=np.int64), offsets, sizes)
+
+
+def _whole_flat_boxes(flat: list[ShardedTensor]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Distributed-optimizer shards: a box is saved once its flat pieces add up to it."""
+    cover: dict[tuple, int] = defaultdict(int)
+    for sh in flat:
         box = (tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-        if sh.flattened_range is None:
-            boxes.append(box)
-        else:
-            # Distributed-optimizer shards: a box is saved once its flat pieces add up to it.
-            flat_cover[box] += sh.flattened_range.stop - sh.flattened_range.start
-    boxes.extend(box for box, n in flat_cover.items() if n == math.prod(box[1]))
-    return boxes
+        cover[box] += sh.flattened_range.stop - sh.flattened_range.start
+    return [box for box, n in cover.items() if n == math.prod(box[1])]
 
 
 def enforce_complete_layout(global_metadata: list[list[Any]]) -> None:
@@ -256,10 +316,23 @@ def enforce_complete_layout(global_metadata: list[list[Any]]) -> None:
             f"would be incomplete ({UPSTREAM}){_listing(problems)}")
 
 
+def _own_part_fingerprint(global_metadata: list[list[Any]]) -> int | None:
+    """The fingerprint of this rank's part of metadata all-gathered over all ranks; None for a
+    gather over fewer ranks (whose ranks cannot be asked collectively whether it changed)."""
+    if len(global_metadata) != collectives.world_size():
+        return None
+    return _structure_fingerprint(global_metadata[collectives.rank()])
+
+
 def _guard_validate(original: Callable) -> Callable:
     @functools.wraps(original)
     def validate_sharding_integrity(global_metadata, common_state_dict=None):
-        enforce_complete_layout(global_metadata)
+        fingerprint = _own_part_fingerprint(global_metadata)
+        if fingerprint is None:
+            enforce_complete_layout(global_metadata)
+        elif not _passed_before("tiling", fingerprint):
+            enforce_complete_layout(global_metadata)
+            _passed("tiling", fingerprint)
         return original(global_metadata, common_state_dict)
 
     setattr(validate_sharding_integrity, _MARK, True)
@@ -271,14 +344,14 @@ def _guard_save_preprocess(original: Callable) -> Callable:
     def save_preprocess(sharded_state_dict, validate_access_integrity=True, *args, **kwargs):
         sharded_part, common_state_dict = original(
             sharded_state_dict, validate_access_integrity, *args, **kwargs)
-        fingerprint = _structure_fingerprint(sharded_part)
-        if validate_access_integrity:  # megatron's check, and the guard's in it, passed
-            _passed_structures["tiling"] = fingerprint
-        elif not _passed_before("tiling", fingerprint):
-            # Megatron skipped its gather (--ckpt-assume-constant-structure: it checked the
-            # first save's structure). Gather and check once per structure likewise.
-            enforce_complete_layout(determine_global_metadata(sharded_part)[1])
-            _passed_structures["tiling"] = fingerprint
+        if not validate_access_integrity:
+            # Megatron skipped its gather and check (--ckpt-assume-constant-structure: it
+            # checked the first save's structure); a structure the guard has not seen pass (in
+            # megatron's check or here) is gathered and checked here.
+            fingerprint = _structure_fingerprint(sharded_part)
+            if not _passed_before("tiling", fingerprint):
+                enforce_complete_layout(determine_global_metadata(sharded_part)[1])
+                _passed("tiling", fingerprint)
         return sharded_part, common_state_dict
 
     setattr(save_preprocess, _MARK, True)
@@ -483,8 +556,10 @@ def _refuse_if_any(checkpoint_dir: str, problems: list[tuple[str, str]]) -> None
 def _guard_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        _refuse_if_any(checkpoint_dir, load_problems(sharded_state_dict, checkpoint_dir))
-        return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        # megatron's load then reuses the `.metadata` and common state the check read.
+        with checkpoint_reads.reading_once():
+            _refuse_if_any(checkpoint_dir, load_problems(sharded_state_dict, checkpoint_dir))
+            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     setattr(load, _MARK, True)
     return load

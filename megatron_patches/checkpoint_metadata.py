@@ -1,7 +1,8 @@
 """Reads a torch_dist / fsdp_dtensor checkpoint's metadata without reading its tensors.
 
 Only the `.metadata` file is parsed, plus the small pickled training args (common.pt, or the one
-`common_state`/`args` object inside the checkpoint); .distcp files are only stat()ed.
+`common_state`/`args` object inside the checkpoint); .distcp files are only stat()ed. Inside a
+load (`checkpoint_reads.reading_once`) both reads are the ones megatron's load then reuses.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ import io
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from megatron_patches import checkpoint_reads
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # megatron-core >=0.17 keeps the common (non-tensor) state as this one object inside the checkpoint.
@@ -38,9 +41,35 @@ class SavedTensor:
 class CheckpointMetadata:
     path: str
     format: str  # "torch_dist" or "fsdp_dtensor"
-    tensors: dict[str, SavedTensor]
+    tensors: Mapping[str, SavedTensor]
     args: Any  # the saved training args Namespace, None if the checkpoint has none
     payload_bytes: int  # sum of the .distcp file sizes
+
+
+class _SavedTensors(Mapping):
+    """The checkpoint's tensors by key, each converted from torch's metadata when first looked
+    up: a rank's load guard looks up only the keys it holds, not every chunk of the checkpoint."""
+
+    def __init__(self, state: dict):
+        self._metadata = {k: m for k, m in state.items() if isinstance(m, TensorStorageMetadata)}
+        self._converted: dict[str, SavedTensor] = {}
+
+    def __getitem__(self, key: str) -> SavedTensor:
+        if key not in self._converted:
+            meta = self._metadata[key]
+            self._converted[key] = SavedTensor(
+                key, tuple(meta.size), meta.properties.dtype.itemsize,
+                tuple((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks))
+        return self._converted[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._metadata
+
+    def __iter__(self):
+        return iter(self._metadata)
+
+    def __len__(self) -> int:
+        return len(self._metadata)
 
 
 def resolve_iteration_dir(path: str) -> str:
@@ -54,17 +83,6 @@ def resolve_iteration_dir(path: str) -> str:
     return path
 
 
-class _MetadataReadOnce(FileSystemReader):
-    """A reader that hands torch the `.metadata` already read instead of reading it again."""
-
-    def __init__(self, path: str, metadata: Any):
-        super().__init__(path)
-        self._metadata = metadata
-
-    def read_metadata(self):
-        return self._metadata
-
-
 def read_checkpoint_metadata(path: str, with_args: bool = True,
                              with_payload: bool = True) -> CheckpointMetadata:
     """Reads `.metadata` once (and, with_args, the saved args) of a torch_dist/fsdp_dtensor
@@ -75,9 +93,13 @@ def read_checkpoint_metadata(path: str, with_args: bool = True,
         raise UnreadableCheckpoint(f"{path}: bad {TRACKER_FILE}: {e}") from e
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise UnreadableCheckpoint(f"{path}: no .metadata file, not a torch_dist/fsdp_dtensor checkpoint")
-    reader = FileSystemReader(path)
+    with checkpoint_reads.reading_once():
+        return _read(path, with_args, with_payload)
+
+
+def _read(path: str, with_args: bool, with_payload: bool) -> CheckpointMetadata:
     try:
-        metadata = reader.read_metadata()
+        metadata = checkpoint_reads.read_metadata(path)
     except Exception as e:  # a truncated or garbled pickle raises anything
         raise UnreadableCheckpoint(f"{path}/.metadata is unreadable: {type(e).__name__}: {e}") from e
     state = getattr(metadata, "state_dict_metadata", None)
@@ -91,13 +113,8 @@ def read_checkpoint_metadata(path: str, with_args: bool = True,
         # no metadata.json, model tensors under `model.`.
         fmt = "fsdp_dtensor" if any(k.startswith("model.") for k in state) else "torch_dist"
 
-    tensors = {}
-    for key, meta in state.items():
-        if isinstance(meta, TensorStorageMetadata):
-            tensors[key] = SavedTensor(
-                key, tuple(meta.size), meta.properties.dtype.itemsize,
-                tuple((tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks))
-    args = _read_args(path, _MetadataReadOnce(path, metadata), state) if with_args else None
+    tensors = _SavedTensors(state)
+    args = _read_args(path, state) if with_args else None
     payload = sum(os.stat(os.path.join(path, f)).st_size
                   for f in os.listdir(path) if f.endswith(".distcp")) if with_payload else 0
     return CheckpointMetadata(path, fmt, tensors, args, payload)
@@ -111,25 +128,32 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _read_args(path: str, reader: FileSystemReader, state: dict) -> Any:
-    """The training args: from common.pt (legacy) or the one small object stored in the checkpoint."""
+def _read_args(path: str, state: dict) -> Any:
+    """The training args: from common.pt (legacy), the common state megatron-core >=0.17 keeps in
+    the checkpoint (read by megatron's own function), or fsdp_dtensor's one `args` object."""
     common_pt = os.path.join(path, "common.pt")
     if os.path.isfile(common_pt):
         return torch.load(common_pt, map_location="cpu", weights_only=False).get("args")
-    key = COMMON_STATE_KEY if COMMON_STATE_KEY in state else "args" if "args" in state else None
-    if key is None or not isinstance(state[key], BytesStorageMetadata):
+    if isinstance(state.get(COMMON_STATE_KEY), BytesStorageMetadata):
+        try:
+            with warnings.catch_warnings():  # "assuming ... a single process": yes
+                warnings.simplefilter("ignore", UserWarning)
+                common = checkpoint_reads.common_state(path)
+        except Exception as e:  # megatron's own load of it would fail the same way
+            raise UnreadableCheckpoint(f"{path}: the common state (saved args) is unreadable: "
+                                       f"{type(e).__name__}: {e}") from e
+        return common.get("args") if isinstance(common, dict) else None
+    if not isinstance(state.get("args"), BytesStorageMetadata):
         return None
     # Reads just this object's byte range out of the .distcp files, never the tensors.
-    buffer = {key: io.BytesIO()}
+    buffer = {"args": io.BytesIO()}
     with warnings.catch_warnings():  # "assuming ... a single process": yes, deliberately
         warnings.simplefilter("ignore", UserWarning)
-        torch.distributed.checkpoint.load(buffer, storage_reader=reader, no_dist=True)
-    value = buffer[key]
+        torch.distributed.checkpoint.load(buffer, storage_reader=checkpoint_reads.reader(path),
+                                          no_dist=True)
+    value = buffer["args"]
     if isinstance(value, io.BytesIO):
         value.seek(0)
         value = torch.load(value, map_location="cpu", weights_only=False)
-    if key == COMMON_STATE_KEY:
-        value = value[0] if isinstance(value, (list, tuple)) else value
-        return value.get("args") if isinstance(value, dict) else None
     return value
 

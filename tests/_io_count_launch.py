@@ -4,8 +4,9 @@ each rank writes $IO_COUNT_DIR/rank<R>.json:
 
   fsynced        basenames of the files checkpoint_commit fsynced
   file_checks    calls of checkpoint_commit.file_problems (the load-integrity file check)
-  metadata_reads .metadata files checkpoint_metadata read from disk
+  metadata_reads .metadata files read from disk in this process (the checks' and megatron's)
   gathers        all-rank metadata gathers the save guard ran itself
+  tiling_checks  tiling checks the save guard ran on all ranks' metadata
   model_checks   model-shape judgements the save guard ran
 """
 
@@ -23,10 +24,12 @@ if not torch.cuda.is_available():  # before anything imports megatron.core
     cpu_backend.activate()
 
 import pretrain_moe  # noqa: E402
-from megatron_patches import checkpoint_commit, checkpoint_guard, checkpoint_metadata  # noqa: E402
+from torch.distributed.checkpoint import filesystem  # noqa: E402
+
+from megatron_patches import checkpoint_commit, checkpoint_guard  # noqa: E402
 
 COUNTS = {"fsynced": [], "file_checks": 0, "metadata_reads": 0, "gathers": 0,
-          "model_checks": 0}
+          "tiling_checks": 0, "model_checks": 0}
 
 
 def _counting(module, name, record):
@@ -46,12 +49,6 @@ def _bump(key):
     return record
 
 
-class _CountingReader(checkpoint_metadata.FileSystemReader):
-    def read_metadata(self):
-        COUNTS["metadata_reads"] += 1
-        return super().read_metadata()
-
-
 def _write_counts():
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(
         os.environ.get("RANK", 0))
@@ -65,6 +62,8 @@ if __name__ == "__main__":
     _counting(checkpoint_commit, "file_problems", _bump("file_checks"))
     _counting(checkpoint_guard, "determine_global_metadata", _bump("gathers"))
     _counting(checkpoint_guard, "refuse_wrong_model_shapes", _bump("model_checks"))
-    checkpoint_metadata.FileSystemReader = _CountingReader
+    _counting(checkpoint_guard, "enforce_complete_layout", _bump("tiling_checks"))
+    # torch's reader is the one every reader of .metadata (the checks', megatron's) ends in.
+    _counting(filesystem.FileSystemReader, "read_metadata", _bump("metadata_reads"))
     atexit.register(_write_counts)
     pretrain_moe.main(sys.argv[1:])

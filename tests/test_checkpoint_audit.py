@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -132,6 +133,36 @@ def test_coverage_finds_gaps_overlaps_and_strays():
     assert coverage((4, 4), [((0, 0), (4, 4)), ((3, 0), (2, 4))]).out_of_bounds
     # A ragged but exact tiling: megatron defers uneven grids to DCP, the audit does not.
     assert coverage((5, 3), [((0, 0), (3, 3)), ((3, 0), (2, 1)), ((3, 1), (2, 2))]).exact
+
+
+def test_coverage_agrees_with_counting_every_element():
+    """Both paths of the grid arithmetic (equal boxes on a grid, anything else) against a dense
+    per-element count, on grids with holes, duplicates, strays and uneven boxes."""
+    rng = np.random.default_rng(1836)
+    for trial in range(300):
+        shape = tuple(int(n) for n in rng.integers(1, 7, size=int(rng.integers(1, 4))))
+        if trial % 2:  # a regular grid of one box size, some cells dropped or doubled
+            size = tuple(int(rng.choice([d for d in range(1, n + 1) if n % d == 0]))
+                         for n in shape)
+            cells = [tuple(c * s for c, s in zip(cell, size))
+                     for cell in np.ndindex(*(n // s for n, s in zip(shape, size)))]
+            picked = [cells[i] for i in rng.integers(0, len(cells), size=len(cells))]
+            boxes = [(o, size) for o in picked]
+        else:
+            boxes = []
+            for _ in range(int(rng.integers(0, 6))):
+                offset = tuple(int(rng.integers(-1, n)) for n in shape)
+                boxes.append((offset, tuple(int(rng.integers(0, 4)) for _ in shape)))
+        counts = np.zeros(shape, dtype=int)
+        stray = False
+        for offset, size in boxes:
+            stray |= any(o < 0 or o + s > n for o, s, n in zip(offset, size, shape))
+            counts[tuple(slice(max(o, 0), max(min(o + s, n), 0))
+                         for o, s, n in zip(offset, size, shape))] += 1
+        found = coverage(shape, boxes)
+        assert found.out_of_bounds == stray, (shape, boxes)
+        assert found.overlapping == bool((counts > 1).any()), (shape, boxes)
+        assert abs(found.missing_fraction - (counts == 0).mean()) < 1e-12, (shape, boxes)
 
 
 def test_expected_shapes_follow_the_config_not_the_parallelism():
