@@ -310,7 +310,9 @@ def main() -> None:
             layout = " ".join(f"{k}{v}" for k, v in r["layout"].items())
             print(f"{r['model']:14s} ranks {world:5d} {layout}: {r['shards']:8d} shards, "
                   f"{r['chunks_saved']:7d} saved chunks | megatron check {r['megatron_s']:7.2f} s"
-                  f" | save guard {r['save_guard_s']:6.2f} s (later saves "
+                  f" ({r['megatron_s'] / r['shards'] * 1e6:.1f} us/shard) | save guard "
+                  f"{r['save_guard_s']:6.2f} s ({r['save_guard_s'] / r['shards'] * 1e6:.1f} "
+                  f"us/shard; later saves "
                   f"{r['later_save_s'] * 1e3:.1f} ms), load guard (1 rank) "
                   f"{r['load_guard_s']:5.2f} s, integrity (rank 0) {r['integrity_s']:5.2f} s = "
                   f"{ours / r['megatron_s']:.3f} of megatron's | .metadata unpickle "

@@ -1,6 +1,6 @@
 """What the launcher's patches cost per training step, save and load (issue 14).
 
-    python bench/step_overhead.py [--pairs 2] [--iters 25]
+    python bench/step_overhead.py [--pairs 4] [--iters 25]
 
 Runs the tiny MoE GPT of the CPU tests through pretrain_moe.py on one rank, alternately with
 every patch and with every patch this machine does not need to run disabled
@@ -61,7 +61,7 @@ def run(checkpoint: str, save: str, iters: int, disable: str) -> dict[str, list[
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--iters", type=int, default=25)
     options = parser.parse_args()
     disable = ",".join(sorted(set(registered_patches()) - NEEDED_HERE))

@@ -746,6 +746,11 @@ def _load_check_not_needed(context: PatchContext) -> str | None:
     return None  # megatron checks no file against .metadata before its collective reads
 
 
+def _apply_load_check() -> None:
+    checkpoint_reads.install()  # its `.metadata` read is the one megatron's load then reuses
+    _install("load_checkpoint", _wrap_load)
+
+
 register(Patch(
     name="atomic-checkpoint-commit",
     upstream="Megatron-LM save_checkpoint TODO 'Handle non-empty directories (e.g., after a "
@@ -765,7 +770,7 @@ register(Patch(
     summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "
             "and .distcp sizes (on rank 0) and refuses a damaged checkpoint on every rank",
     not_needed_because=_load_check_not_needed,
-    apply=lambda: _install("load_checkpoint", _wrap_load),
+    apply=_apply_load_check,
 ))
 
 

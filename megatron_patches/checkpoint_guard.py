@@ -611,6 +611,7 @@ def _guard_preprocess_fsdp_dtensor(original: Callable) -> Callable:
 
 
 def apply_load_guard() -> None:
+    checkpoint_reads.install()  # the guard's reads are the ones megatron's load then reuses
     # megatron.training.checkpointing calls `dist_checkpointing.load`, looked up at call time.
     for module in (serialization, dist_checkpointing):
         _wrap(module, "load", _guard_load)

@@ -130,30 +130,32 @@ def _read_json(path: str) -> dict | None:
 
 def _read_args(path: str, state: dict) -> Any:
     """The training args: from common.pt (legacy), the common state megatron-core >=0.17 keeps in
-    the checkpoint (read by megatron's own function), or fsdp_dtensor's one `args` object."""
+    the checkpoint, or fsdp_dtensor's one `args` object."""
     common_pt = os.path.join(path, "common.pt")
     if os.path.isfile(common_pt):
         return torch.load(common_pt, map_location="cpu", weights_only=False).get("args")
     if isinstance(state.get(COMMON_STATE_KEY), BytesStorageMetadata):
         try:
-            with warnings.catch_warnings():  # "assuming ... a single process": yes
-                warnings.simplefilter("ignore", UserWarning)
-                common = checkpoint_reads.common_state(path)
+            common = checkpoint_reads.common_state(
+                path, lambda directory: _read_object(directory, COMMON_STATE_KEY)[0])
         except Exception as e:  # megatron's own load of it would fail the same way
             raise UnreadableCheckpoint(f"{path}: the common state (saved args) is unreadable: "
                                        f"{type(e).__name__}: {e}") from e
         return common.get("args") if isinstance(common, dict) else None
-    if not isinstance(state.get("args"), BytesStorageMetadata):
-        return None
-    # Reads just this object's byte range out of the .distcp files, never the tensors.
-    buffer = {"args": io.BytesIO()}
+    if isinstance(state.get("args"), BytesStorageMetadata):
+        return _read_object(path, "args")
+    return None
+
+
+def _read_object(path: str, key: str) -> Any:
+    """One pickled object of the checkpoint: just its byte range of the .distcp files."""
+    buffer = {key: io.BytesIO()}
     with warnings.catch_warnings():  # "assuming ... a single process": yes, deliberately
         warnings.simplefilter("ignore", UserWarning)
         torch.distributed.checkpoint.load(buffer, storage_reader=checkpoint_reads.reader(path),
                                           no_dist=True)
-    value = buffer["args"]
+    value = buffer[key]
     if isinstance(value, io.BytesIO):
         value.seek(0)
         value = torch.load(value, map_location="cpu", weights_only=False)
     return value
-

@@ -15,11 +15,13 @@ While `reading_once()` is open (the patches open it for one `load_checkpoint`, o
   readers megatron takes from `_get_filesystem_reader` (the call site of its common-state read and
   its tensor load), each a copy carrying its own `load_id`;
 * the common state the guard reads for the saved args, read by megatron's own
-  `load_common_state_dict`, which is handed to megatron's next call of that function, once
-  (megatron merges the loaded tensors into it).
+  `load_common_state_dict` and handed to megatron's next call of that function, once (megatron
+  merges the loaded tensors into it).
 
-Readers megatron caches itself (`CachedMetadataFileSystemReader`, --ckpt-assume-constant-
-structure), MSC readers, per-rank metadata files and every read outside the scope work as before.
+checkpoint-load-guard and checkpoint-load-integrity hook those two megatron call sites when they
+apply (`install`). Readers megatron caches itself (`CachedMetadataFileSystemReader`,
+--ckpt-assume-constant-structure), MSC readers, per-rank metadata files, every read outside a
+scope, and the offline audit (which does not import megatron) read as before.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import os
+import sys
 from typing import Any, Callable
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -81,8 +84,7 @@ _ACTIVE: contextvars.ContextVar[LoadReads | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def reading_once():
     """The scope of one load: reads inside share one `LoadReads` (an enclosing scope's, if
-    any). Hooks megatron's readers on first use."""
-    _install()
+    any); megatron's readers share it once `install` has hooked them."""
     if _ACTIVE.get() is not None:
         yield _ACTIVE.get()
         return
@@ -109,15 +111,23 @@ def reader(directory: Any) -> FileSystemReader:
     return one
 
 
-def common_state(directory: Any) -> Any:
-    """megatron's `load_common_state_dict(directory)` (the common state: args, iteration, ...);
-    inside `reading_once` it is read once and then handed to megatron's own call."""
-    from megatron.core.dist_checkpointing import serialization
+def common_state(directory: Any, read_offline: Callable[[Any], Any]) -> Any:
+    """The common state of `directory` (args, iteration, ...). In a load where megatron's readers
+    are hooked (`install`), it is read by megatron's own `load_common_state_dict` and then handed
+    to megatron's next call of it; elsewhere (the offline audit, which does not import megatron)
+    by `read_offline(directory)`."""
+    reads, megatrons = _ACTIVE.get(), _megatron_load_common_state()
+    if reads is None or megatrons is None:
+        return read_offline(directory)
+    return reads.common_state(directory, megatrons)
 
-    load = getattr(serialization.load_common_state_dict, "__wrapped__",
-                   serialization.load_common_state_dict)
-    reads = _ACTIVE.get()
-    return reads.common_state(directory, load) if reads is not None else load(directory)
+
+def _megatron_load_common_state() -> Callable | None:
+    """megatron's own (unhooked) load_common_state_dict where `install` hooked it, else None;
+    never imports megatron."""
+    serialization = sys.modules.get("megatron.core.dist_checkpointing.serialization")
+    hooked = getattr(serialization, "load_common_state_dict", None)
+    return hooked.__wrapped__ if hasattr(hooked, _MARK) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +160,8 @@ def _handed_common_state(original: Callable) -> Callable:
     return load_common_state_dict
 
 
-def _install() -> None:
+def install() -> None:
+    """Hooks megatron's readers (idempotent); the load patches call it when they apply."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy

@@ -72,17 +72,18 @@ def _layer_index(router) -> int | None:
 
 
 def _count(router, routing_map: torch.Tensor) -> None:
-    with torch.no_grad():
-        assigned = routing_map.sum(dim=0)
-        if getattr(router, "_expert_load", None) is None:
-            router._expert_load = torch.zeros(assigned.numel() + 1, dtype=torch.int64,
-                                              device=assigned.device)
-        router._expert_load[:-1] += assigned
-        config = router.config
-        if (config.moe_expert_capacity_factor is not None
-                and not config.moe_pad_expert_input_to_capacity):
-            # Top-k routing assigns every token k experts; what the map lacks was dropped.
-            router._expert_load[-1] += routing_map.shape[0] * router.topk - assigned.sum()
+    # Two device ops per router and micro-batch (no autograd: the map is boolean); the drop
+    # count only where a capacity factor can drop tokens.
+    assigned = routing_map.sum(dim=0)
+    if getattr(router, "_expert_load", None) is None:
+        router._expert_load = torch.zeros_like(assigned)
+        router._expert_drops = torch.zeros((), dtype=assigned.dtype, device=assigned.device)
+    router._expert_load += assigned
+    config = router.config
+    if (config.moe_expert_capacity_factor is not None
+            and not config.moe_pad_expert_input_to_capacity):
+        # Top-k routing assigns every token k experts; what the map lacks was dropped.
+        router._expert_drops += routing_map.shape[0] * router.topk - assigned.sum()
     _ROUTERS.add(router)
 
 
@@ -96,11 +97,13 @@ def interval_loads(num_layers: int, num_experts: int) -> list[LayerLoad]:
         index = _layer_index(router)
         if index is None or getattr(router, "_expert_load", None) is None:
             continue
-        table[index * width:(index + 1) * width] = router._expert_load.tolist()
+        table[index * width:(index + 1) * width] = [*router._expert_load.tolist(),
+                                                     router._expert_drops.item()]
         config = router.config
         drops_known[index] = float(config.moe_expert_capacity_factor is None
                                    or not config.moe_pad_expert_input_to_capacity)
         router._expert_load.zero_()
+        router._expert_drops.zero_()
     summed = collectives.reduce_numbers(table + drops_known, op="sum")
     table, drops_known = summed[:num_layers * width], summed[num_layers * width:]
     loads = []
