@@ -8,6 +8,7 @@ values).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -64,7 +65,7 @@ def coverage_of_arrays(shape: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
     total = float(np.prod(shape.astype(np.float64)))
     ends = np.clip(offsets + sizes, 0, shape)
     starts = np.clip(offsets, 0, shape)
-    bounds = [np.unique(np.concatenate(([0, g], starts[:, d], ends[:, d])))
+    bounds = [np.asarray(sorted({0, g, *starts[:, d].tolist(), *ends[:, d].tolist()}))
               for d, g in enumerate(shape.tolist())]
     counts = np.zeros([len(b) - 1 for b in bounds], dtype=np.int32)
     for start, end in zip(starts, ends):
@@ -81,23 +82,28 @@ def coverage_of_arrays(shape: np.ndarray, offsets: np.ndarray, sizes: np.ndarray
 def _regular_grid_coverage(shape: np.ndarray, offsets: np.ndarray,
                            sizes: np.ndarray) -> Coverage | None:
     """Fast path for the usual case: equal boxes on a grid of their size that divides the
-    shape (cells counted by their grid index, no array of the grid).
+    shape (cells counted by their grid index, no array of the grid). Per-dimension arithmetic
+    is plain Python: most tensors have a handful of chunks, where numpy's per-call cost rules.
 
     None when the boxes are not such a grid; the general path handles them.
     """
-    if not len(offsets) or (sizes != sizes[0]).any() or (sizes[0] <= 0).any():
-        return None  # empty boxes cover nothing: the general path counts them so
-    size = sizes[0]
-    if (offsets % size).any() or (shape % size).any():
+    if not len(offsets):
+        return None
+    size, dims = sizes[0].tolist(), shape.tolist()
+    if min(size) <= 0 or (sizes != sizes[0]).any():
+        return None  # empty boxes cover nothing (the general path counts them so), or unequal
+    if any(g % n for g, n in zip(dims, size)) or (offsets % sizes[0]).any():
         return None  # off the grid, or a ragged last row of cells: the general path measures it
-    grid = shape // size
-    cells = int(np.prod(grid.astype(object)))  # exact however large
-    index = offsets // size
-    flat = np.zeros(len(index), dtype=object if cells >= 2**62 else np.int64)
-    for d in range(index.shape[1]):  # row-major cell number
-        flat = flat * int(grid[d]) + index[:, d]
-    distinct = len(np.unique(flat))
-    return Coverage(1 - distinct / cells if cells else 0.0, distinct < len(index), False)
+    grid = [g // n for g, n in zip(dims, size)]
+    cells = math.prod(grid)
+    strides = [math.prod(grid[d + 1:]) for d in range(len(grid))]
+    index = offsets // sizes[0]
+    if cells < 2**62:
+        flat = (index @ np.asarray(strides, dtype=np.int64)).tolist()
+    else:  # beyond int64: Python integers
+        flat = [sum(i * n for i, n in zip(row, strides)) for row in index.tolist()]
+    distinct = len(set(flat))
+    return Coverage(1 - distinct / cells if cells else 0.0, distinct < len(flat), False)
 
 
 def describe_chunks(boxes: Iterable[Box]) -> str:

@@ -24,7 +24,8 @@ Save guard ("checkpoint-completeness-guard"):
 
 Load guard ("checkpoint-load-guard"): before megatron reads anything it compares the
 checkpoint's `.metadata` with the state dict of the model being loaded into and with the args
-saved in the checkpoint (`dist_checkpointing.load` for torch_dist; megatron.training's
+saved in the checkpoint (for torch_dist inside `dist_checkpointing.load`, on the state dict its
+`load_preprocess` returns, before anything is read; megatron.training's
 `preprocess_fsdp_dtensor_state_dict` inside `_load_base_checkpoint` for fsdp_dtensor), then all
 ranks agree. Tensors megatron itself allows to differ in shape (`allow_shape_mismatch`: the
 TP-dependent vocabulary padding of embeddings, output layer, MTP) are only checked for tiling.
@@ -553,16 +554,38 @@ def _refuse_if_any(checkpoint_dir: str, problems: list[tuple[str, str]]) -> None
             checkpoint_dir, [tuple(p.split("\t", 1)) for p in everyone], layouts))
 
 
+# torch_dist loads: the directory `dist_checkpointing.load` is loading from, while it runs.
+_TORCH_DIST_LOAD = contextvars.ContextVar("megatron_patches_torch_dist_load", default=None)
+
+
 def _guard_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         # megatron's load then reuses the `.metadata` and common state the check read.
         with checkpoint_reads.reading_once():
-            _refuse_if_any(checkpoint_dir, load_problems(sharded_state_dict, checkpoint_dir))
-            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            token = _TORCH_DIST_LOAD.set(checkpoint_dir)
+            try:
+                return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            finally:
+                _TORCH_DIST_LOAD.reset(token)
 
     setattr(load, _MARK, True)
     return load
+
+
+def _guard_load_preprocess(original: Callable) -> Callable:
+    """The check runs on the state dict megatron's `load_preprocess` returns: its factories are
+    built already (building them again costs as much again), and nothing has been read yet."""
+    @functools.wraps(original)
+    def load_preprocess(sharded_state_dict, *args, **kwargs):
+        result = original(sharded_state_dict, *args, **kwargs)
+        checkpoint_dir = _TORCH_DIST_LOAD.get()
+        if checkpoint_dir is not None:
+            _refuse_if_any(checkpoint_dir, load_problems(result[0], checkpoint_dir))
+        return result
+
+    setattr(load_preprocess, _MARK, True)
+    return load_preprocess
 
 
 # fsdp_dtensor loads: the directory `_load_base_checkpoint` is loading from, while it runs.
@@ -615,6 +638,7 @@ def apply_load_guard() -> None:
     # megatron.training.checkpointing calls `dist_checkpointing.load`, looked up at call time.
     for module in (serialization, dist_checkpointing):
         _wrap(module, "load", _guard_load)
+    _wrap(serialization, "load_preprocess", _guard_load_preprocess)
     checkpointing = _megatron_training_checkpointing()
     if checkpointing is not None and hasattr(checkpointing, "preprocess_fsdp_dtensor_state_dict"):
         _wrap(checkpointing, "_load_base_checkpoint", _guard_load_base_checkpoint)
