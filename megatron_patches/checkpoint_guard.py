@@ -292,9 +292,9 @@ class _KeyChunks:
         if not self.offsets:
             return coverage(self.global_shape, [])
         size = (1,) * self.prepend[0] + tuple(self.local_shapes[0])
-        offsets = np.asarray(self.offsets, dtype=np.int64)
-        if len(size) != ndim or offsets.shape != (len(self.offsets), ndim):
-            return coverage(self.global_shape, self.boxes())
+        if len(size) != ndim or any(len(o) != ndim for o in self.offsets):
+            return coverage(self.global_shape, self.boxes())  # reports the stray chunks
+        offsets = np.asarray(self.offsets, dtype=np.int64).reshape(len(self.offsets), ndim)
         sizes = np.broadcast_to(np.asarray(size, dtype=np.int64), offsets.shape)
         return coverage_of_arrays(np.asarray(self.global_shape, dtype=np.int64), offsets, sizes)
 

@@ -104,7 +104,11 @@ def read_metadata(directory: Any) -> Metadata:
 
 def reader(directory: Any) -> FileSystemReader:
     """A FileSystemReader of `directory` that reads `.metadata` as `read_metadata` does."""
-    one = FileSystemReader(_key(directory))
+    return _served(FileSystemReader(_key(directory)), directory)
+
+
+def _served(one: FileSystemReader, directory: Any) -> FileSystemReader:
+    """`one`, reading `.metadata` from the open load's kept read (unchanged outside a load)."""
     reads = _ACTIVE.get()
     if reads is not None:
         one.read_metadata = functools.partial(reads.serve, one, directory, one.read_metadata)
@@ -137,11 +141,9 @@ def _serving_reader(original: Callable) -> Callable:
     @functools.wraps(original)
     def _get_filesystem_reader(checkpoint_dir, *args, **kwargs):
         one = original(checkpoint_dir, *args, **kwargs)
-        reads = _ACTIVE.get()
         # Only plain readers: megatron's caching reader keeps its own cache, MSC reads elsewhere.
-        if reads is not None and type(one).read_metadata is FileSystemReader.read_metadata:
-            one.read_metadata = functools.partial(reads.serve, one, checkpoint_dir,
-                                                  one.read_metadata)
+        if type(one).read_metadata is FileSystemReader.read_metadata:
+            return _served(one, checkpoint_dir)
         return one
 
     setattr(_get_filesystem_reader, _MARK, True)
