@@ -93,6 +93,8 @@ class Cluster:
             f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=8"
             for n in self.nodes)
         # CPUs=8 on a smaller machine: config_overrides lets slurmd use the declared count.
+        # MessageTimeout 30 s: while 4 ranks start or save on 2 cores, slurmctld can take more
+        # than the default 10 s to answer (a CI run's squeue failed so).
         self.conf.write_text(f"""\
 ClusterName=ci
 SlurmctldHost={self.host}(127.0.0.1)
@@ -119,6 +121,7 @@ MailProg=/bin/true
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=120
+MessageTimeout=30
 {node_lines}
 PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -135,7 +138,7 @@ PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State
         if self.conf.exists():
             self.run("scancel", "--full", "--user=root")
             try:
-                wait_for("jobs to end", lambda: not self.run("squeue", "-h").stdout.strip(), 90)
+                self.wait_idle(timeout=90)
             except AssertionError:
                 pass
         pids = [int(f.read_text().split()[0]) for f in reversed(self.pid_files) if f.exists()]
@@ -166,9 +169,24 @@ PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State
                               env=self.env(**env), capture_output=True, text=True,
                               timeout=timeout)
 
+    def queue(self, *options: str) -> str | None:
+        """What `squeue -h [options]` lists; None when squeue fails (slurmctld busy or timing
+        out: the queue is then unknown, not empty)."""
+        try:
+            listed = self.run("squeue", "-h", *options)
+        except subprocess.TimeoutExpired:
+            return None
+        return listed.stdout.strip() if listed.returncode == 0 else None
+
+    def wait_idle(self, timeout: float) -> None:
+        wait_for("an empty queue", lambda: self.queue() == "", timeout)
+
     def submit(self, name: str, *options: str, wait: bool = False, timeout: float = 600,
                **env: str) -> "Job":
-        """sbatch [options] examples/moe/train.sh from the repository root, as a user does."""
+        """sbatch [options] examples/moe/train.sh from the repository root, as a user does.
+        Only on an idle cluster: a one-node job then gets the first node, whose name resolves
+        (the second's does not, and train.sh refuses it as MASTER_ADDR)."""
+        self.wait_idle(timeout=300)
         log = self.root / "out" / f"{name}.out"  # job ids restart at 1 with each fresh cluster
         done = self.run("sbatch", "--parsable", "-o", str(log), *(["--wait"] if wait else []),
                         *options, TRAIN_SH, timeout=timeout, **env)
@@ -189,9 +207,22 @@ class Job:
         out = self.cluster.run("scontrol", "show", "job", "-o", self.id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
+    def ended(self) -> bool:
+        """Whether the job has left the queue (its processes ended). The whole queue is asked:
+        `squeue -j` fails for a job slurmctld has already forgotten."""
+        listed = self.cluster.queue("-o", "%i")
+        return listed is not None and self.id not in listed.split()
+
     def wait_log(self, pattern: str, timeout: float) -> re.Match:
-        return wait_for(f"{pattern!r} in job {self.id}'s log",
-                        lambda: re.search(pattern, self.log, re.M), timeout)
+        """Waits for `pattern` in the log; fails at once, with the log, if the job ends first."""
+        def found() -> re.Match | None:
+            ended = self.ended()
+            match = re.search(pattern, self.log, re.M)  # read after: the last lines count
+            assert match or not ended, (f"job {self.id} ended without {pattern!r} in its log:\n"
+                                        f"{self.log[-4000:]}")
+            return match
+
+        return wait_for(f"{pattern!r} in job {self.id}'s log", found, timeout)
 
     def wait_state(self, *states: str, timeout: float) -> dict[str, str]:
         return wait_for(f"job {self.id} in state {'/'.join(states)}",
@@ -199,8 +230,7 @@ class Job:
 
     def wait_done(self, timeout: float) -> dict[str, str]:
         """Waits until the job has left the queue (its processes ended); its final state."""
-        wait_for(f"job {self.id} to end", lambda: not self.cluster.run(
-            "squeue", "-h", "-j", self.id).stdout.strip(), timeout)
+        wait_for(f"job {self.id} to end", self.ended, timeout)
         return self.state()
 
     def release(self) -> None:
