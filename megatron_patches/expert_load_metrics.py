@@ -93,17 +93,20 @@ def interval_loads(num_layers: int, num_experts: int) -> list[LayerLoad]:
     width = num_experts + 1
     table = [0.0] * (num_layers * width)
     drops_known = [0.0] * num_layers
-    for router in list(_ROUTERS):
-        index = _layer_index(router)
-        if index is None or getattr(router, "_expert_load", None) is None:
-            continue
-        table[index * width:(index + 1) * width] = [*router._expert_load.tolist(),
-                                                     router._expert_drops.item()]
-        config = router.config
-        drops_known[index] = float(config.moe_expert_capacity_factor is None
-                                   or not config.moe_pad_expert_input_to_capacity)
-        router._expert_load.zero_()
-        router._expert_drops.zero_()
+    counted = [(router, index) for router in list(_ROUTERS)
+               if (index := _layer_index(router)) is not None
+               and getattr(router, "_expert_load", None) is not None]
+    if counted:
+        # One copy to the host for all layers (on a GPU one sync per log line, not per router).
+        rows = torch.stack([torch.cat([router._expert_load, router._expert_drops.reshape(1)])
+                            for router, _ in counted]).tolist()
+        for (router, index), row in zip(counted, rows):
+            table[index * width:(index + 1) * width] = row
+            config = router.config
+            drops_known[index] = float(config.moe_expert_capacity_factor is None
+                                       or not config.moe_pad_expert_input_to_capacity)
+            router._expert_load.zero_()
+            router._expert_drops.zero_()
     summed = collectives.reduce_numbers(table + drops_known, op="sum")
     table, drops_known = summed[:num_layers * width], summed[num_layers * width:]
     loads = []
