@@ -1,20 +1,30 @@
 """What the launcher's patches cost per training step, save and load (issue 14).
 
-    python bench/step_overhead.py [--pairs 6] [--iters 25]
+    python bench/step_overhead.py [--pairs 4] [--iters 90]
 
-Runs the tiny MoE GPT of the CPU tests through pretrain_moe.py on one rank, alternately with
-every patch and with every patch this machine does not need to run disabled
-(MEGATRON_PATCHES_DISABLE), starting each pair with the other mode. Each run loads the same
-checkpoint, trains --iters iterations and saves every 5. Step times are megatron's
-"elapsed time per iteration" after the first 3 iterations of a run; save and load times are
-megatron's own `save-checkpoint` / `load-checkpoint` timers.
+Runs the tiny MoE GPT of the CPU tests through pretrain_moe.py on one rank twice at once: with
+every patch, and with every patch this machine does not need to run disabled
+(MEGATRON_PATCHES_DISABLE). Both load the same checkpoint and train --iters iterations, saving
+every SAVE_INTERVAL, on the same CPU core (the harness keeps the other), taking turns: the bench
+pauses one run (SIGSTOP) after each of its iterations and resumes the other (SIGCONT), never in
+the middle of a save. Each iteration of one run is thus measured within a second of the same
+iteration of the other, on the same machine. This VM's speed drifts by 10-20% from minute to
+minute (its host takes 3-18% of the CPU time, steal in /proc/stat); whole runs one after the
+other gave 0.64-1.78 per pair, and runs side by side on the two cores 0.80-1.25.
 
-A pair's two runs follow each other, so each pair gives one ratio per kind (unpatched median /
-patched median); the result is the median of the pairs' ratios, which a machine whose speed
-drifts between pairs moves far less than a ratio of overall medians. On a virtual machine the
-host can take CPU time away (steal, /proc/stat): a pair in which either run lost more than
-MAX_STEAL of it measures the neighbours, not the patches, and is left out (said so; if every
-pair is, all are used and the line says so). Ends with
+* Step: the rank's CPU time (all its threads, /proc schedstat) per iteration, read between its
+  iteration log lines (a paused run uses none), for the iterations after the first WARMUP that
+  did not save. On one rank a step waits for nothing (no peer, mock data), so this is its
+  whole cost.
+* Save and load: megatron's own `save-checkpoint` / `load-checkpoint` timers (wall time: the
+  commit's fsyncs wait for the disk). Saves run while the other run is paused (megatron's last
+  one, after the loop, left out). Both runs are paused once megatron is initialised, so that
+  each then builds its model and loads while the other waits: the two loads run seconds apart,
+  one per run.
+
+A pair gives one ratio per kind: the median, over the iterations (the saves) both runs measured,
+of unpatched / patched; for the load its one ratio. The result is the median of the pairs'
+ratios. Ends with
 
     throughput ratio patched/unpatched: <step> save: <save> load: <load>
 
@@ -24,6 +34,7 @@ pair is, all are used and the line says so). Ends with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -31,16 +42,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from _launch import TINY_MODEL, launch  # noqa: E402
+from _launch import TINY_MODEL, LiveRun, launch  # noqa: E402
 
 # Without these the tiny model does not run here (no CUDA; megatron's dataset helpers).
 NEEDED_HERE = {"cpu", "dataset-helpers-prebuilt"}
 WARMUP = 3
-MAX_STEAL = 0.02  # share of the machine's CPU time the hypervisor took during a run
+SAVE_INTERVAL = 3
+INITIALIZED = "[after megatron is initialized]"  # megatron's line before the model is built
 _STEP = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+)")
 _TIMER = re.compile(r"(save-checkpoint|load-checkpoint) \.+: \(([\d.]+), ([\d.]+)\)")
 
@@ -64,60 +79,140 @@ def cpu_jiffies() -> tuple[int, int]:
     return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
 
 
-def run(checkpoint: str, save: str, iters: int, disable: str) -> dict[str, list[float]]:
-    shutil.rmtree(save, ignore_errors=True)
-    shutil.copytree(checkpoint, save)
-    before = cpu_jiffies()
-    log = launch(1, [*TINY_MODEL, "--train-iters", str(iters), "--load", save, "--save", save,
-                     "--save-interval", "5", "--timing-log-level", "0"],
-                 env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=900).check().log
-    steps = [float(ms) for it, ms in _STEP.findall(log) if int(it) > WARMUP + 2]
-    timers = {"save-checkpoint": [], "load-checkpoint": []}
-    for name, _, slowest in _TIMER.findall(log):
-        timers[name].append(float(slowest))
-    (total, stolen), (total0, stolen0) = cpu_jiffies(), before
-    return {"step": steps, "save": timers["save-checkpoint"], "load": timers["load-checkpoint"],
-            "steal": (stolen - stolen0) / max(total - total0, 1)}
+def cpu_seconds(pid: int) -> float:
+    """The time a process's threads have run on a CPU, in ns resolution (the first field of
+    each thread's /proc/<pid>/task/<tid>/schedstat; user + system times tick in 10 ms)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    return total / 1e9
+
+
+class TakingTurns:
+    """One run that the bench pauses after each iteration (the one it saved in, after the next)."""
+
+    def __init__(self, checkpoint: str, save: str, iters: int, disable: str, core: int):
+        shutil.rmtree(save, ignore_errors=True)
+        shutil.copytree(checkpoint, save)
+        self.iters = iters
+        self.run = LiveRun([*TINY_MODEL, "--train-iters", str(iters), "--load", save, "--save",
+                            save, "--save-interval", str(SAVE_INTERVAL), "--timing-log-level",
+                            "0"], nproc=1, preexec=lambda: os.sched_setaffinity(0, {core}),
+                           env={"MEGATRON_PATCHES_DISABLE": disable})
+        self.cpu: dict[int, float] = {}  # iteration -> the rank's CPU seconds at its log line
+        self.rank: psutil.Process | None = None
+        self.paused = False
+        self.seen = 0
+
+    def turn(self) -> int | None:
+        """Runs until the next pause: once megatron is initialised (before the model is built
+        and the checkpoint loaded: 0), then after each iteration. The iteration it paused after
+        (None: the run ended)."""
+        if self.paused:
+            self.rank.resume()
+            self.paused = False
+        while self.run.proc.poll() is None:
+            lines = self.run.lines[self.seen:]
+            self.seen += len(lines)
+            for line in lines:
+                if self.rank is None and line.startswith("[ranks] pids: "):
+                    self.rank = self.run.rank(0)
+                if self.rank is not None and line.startswith(INITIALIZED):
+                    self.rank.suspend()
+                    self.paused = True
+                    return 0
+                if self.rank is not None and (step := _STEP.search(line)):
+                    iteration = int(step.group(1))
+                    self.cpu[iteration] = cpu_seconds(self.rank.pid)
+                    if iteration % SAVE_INTERVAL or iteration == self.iters:
+                        self.rank.suspend()
+                        self.paused = True
+                        return iteration
+            time.sleep(0.001)
+        return None
+
+    def finish(self) -> dict:
+        """The run's step CPU ms per iteration (after WARMUP, not saving), save times (its last
+        left out: the runs end together) and load time, in ms."""
+        if self.paused:
+            self.rank.resume()
+        log = self.run.finish(300)
+        if self.run.proc.returncode != 0:
+            sys.exit(f"step_overhead: a run failed (exit {self.run.proc.returncode}):\n"
+                     f"{log[-3000:]}")
+        first = min(self.cpu) + WARMUP
+        steps = {i: 1000 * (self.cpu[i] - self.cpu[i - 1]) for i in self.cpu
+                 if i - 1 in self.cpu and i - 1 >= first and (i - 1) % SAVE_INTERVAL}
+        timers = {"save-checkpoint": [], "load-checkpoint": []}
+        for name, _, slowest in _TIMER.findall(log):
+            timers[name].append(float(slowest))
+        return {"step": steps, "save": timers["save-checkpoint"][:-1],
+                "load": timers["load-checkpoint"]}
+
+
+def pair(checkpoint: str, work: str, iters: int, disable: str, first: str) -> dict[str, dict]:
+    """Both modes taking turns, `first` first: each starts and is paused once megatron is
+    initialised, then they alternate (model build, load and first iteration; then each
+    iteration)."""
+    core = max(os.sched_getaffinity(0))
+    runs = {}
+    for mode in sorted(("patched", "unpatched"), key=lambda m: m != first):
+        runs[mode] = TakingTurns(checkpoint, os.path.join(work, mode), iters,
+                                 "" if mode == "patched" else disable, core)
+        runs[mode].turn()
+    while any([run.turn() is not None for run in runs.values()]):
+        pass  # each run ends on its own turn (its last save and exit run alone)
+    return {mode: run.finish() for mode, run in runs.items()}
+
+
+def paired_ratio(unpatched, patched) -> float:
+    """The median of unpatched/patched over what both measured at the same point (the same
+    iteration, the n-th save): the two were measured moments apart."""
+    if isinstance(unpatched, dict):
+        keys = sorted(unpatched.keys() & patched.keys())
+        unpatched, patched = [unpatched[k] for k in keys], [patched[k] for k in keys]
+    return statistics.median(u / p for u, p in zip(unpatched, patched))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pairs", type=int, default=6)
-    parser.add_argument("--iters", type=int, default=25)
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=90)
     options = parser.parse_args()
     disable = ",".join(sorted(set(registered_patches()) - NEEDED_HERE))
     print(f"unpatched runs disable: {disable}", flush=True)
+    start_iteration = 2
     with tempfile.TemporaryDirectory(prefix="step_overhead_") as work:
         checkpoint = os.path.join(work, "start")
-        launch(1, [*TINY_MODEL, "--train-iters", str(options.iters + 2), "--exit-interval",
-                   "2", "--save-interval", "2", "--save", checkpoint], timeout=900).check()
-        pair_ratios, quiet = {"step": [], "save": [], "load": []}, []
-        for pair in range(options.pairs):
-            order = ("patched", "unpatched") if pair % 2 == 0 else ("unpatched", "patched")
-            medians, steal = {}, 0.0
-            for mode in order:
-                one = run(checkpoint, os.path.join(work, mode), options.iters + 2,
-                          "" if mode == "patched" else disable)
-                steal = max(steal, one.pop("steal"))
-                medians[mode] = {kind: statistics.median(values) for kind, values in one.items()}
-                print(f"pair {pair} {mode}: median step {medians[mode]['step']:.1f} ms "
-                      f"({len(one['step'])}), saves {one['save']}, load {one['load']}",
-                      flush=True)
-            quiet.append(steal <= MAX_STEAL)
-            print(f"pair {pair}: {steal:.1%} of the CPU time stolen"
-                  f"{'' if quiet[-1] else ' (left out)'}", flush=True)
+        launch(1, [*TINY_MODEL, "--train-iters", str(options.iters + start_iteration),
+                   "--exit-interval", str(start_iteration), "--save-interval",
+                   str(start_iteration), "--save", checkpoint], timeout=900).check()
+        pair_ratios = {"step": [], "save": [], "load": []}
+        for index in range(options.pairs):
+            before = cpu_jiffies()
+            measured = pair(checkpoint, work, options.iters + start_iteration, disable,
+                            "patched" if index % 2 == 0 else "unpatched")
+            (total, stolen), (total0, stolen0) = cpu_jiffies(), before
+            for mode, one in measured.items():
+                print(f"pair {index} {mode}: step {statistics.mean(one['step'].values()):.1f} "
+                      f"ms CPU (mean of {len(one['step'])}), save "
+                      f"{statistics.median(one['save']):.1f} ms (median of {len(one['save'])}), "
+                      f"load {one['load'][0]:.1f} ms", flush=True)
+            print(f"pair {index}: the host took {(stolen - stolen0) / max(total - total0, 1):.1%} "
+                  f"of the CPU time (steal)", flush=True)
             for kind in pair_ratios:
-                pair_ratios[kind].append(medians["unpatched"][kind] / medians["patched"][kind])
-    used = [i for i, q in enumerate(quiet) if q] or list(range(len(quiet)))
-    note = (f"{len(used)} of {len(quiet)} pairs" if any(quiet) else
-            f"all {len(quiet)} pairs, none quiet (steal > {MAX_STEAL:.0%}): noisy")
+                pair_ratios[kind].append(paired_ratio(measured["unpatched"][kind],
+                                                      measured["patched"][kind]))
     ratios = {}
     for kind, values in pair_ratios.items():
-        ratios[kind] = statistics.median(values[i] for i in used)
+        ratios[kind] = statistics.median(values)
         print(f"{kind}: unpatched/patched per pair {[round(v, 3) for v in values]}, median "
-              f"of {note} {ratios[kind]:.3f}")
+              f"{ratios[kind]:.3f}")
     print(f"throughput ratio patched/unpatched: {ratios['step']:.3f} save: {ratios['save']:.3f} "
           f"load: {ratios['load']:.3f}")
+
 
 if __name__ == "__main__":
     main()
