@@ -8,8 +8,11 @@ COMMIT_HOOK=<point>:<dirname>:<action>
           remove_retired the tracker names the new iteration; the older one megatron's
                          --save-retain-interval drops is moved aside, not yet removed
   dirname the iteration directory the hooked call is about (the one saved, or the one dropped)
-  action  kill           SIGKILL this process (a second later, as a crash would come: threads
-                         megatron started, such as its retention deletion, get to run)
+  action  kill           SIGKILL this process: from the main thread a second later, as a crash
+                         would come (threads megatron started, such as its retention deletion,
+                         get to run); from another thread (remove_retired runs in megatron's
+                         deletion thread) at once, or training would go on for that second and
+                         could commit one or two more iterations first
           wait=<file>    create <file>.reached, then wait until <file> exists
 """
 
@@ -17,6 +20,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -36,7 +40,8 @@ _SUBJECT = {
 
 def _act(action: str) -> None:
     if action == "kill":
-        time.sleep(1.0)
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
     gate = action.removeprefix("wait=")
     open(gate + ".reached", "w").close()

@@ -91,8 +91,8 @@ def test_crash_at_every_step_of_a_retaining_save_keeps_a_loadable_tracker(tmp_pa
             "--save", str(save), "--load", str(save)]
     started = time.monotonic()
     # Where the crash comes, and the checkpoints the tracker may then name. The last crash hits
-    # the background removal of iteration 1 while training goes on, so the run may have
-    # committed iteration 3 by then.
+    # the background removal of iteration 1 (at once, the hook's kill from a thread) while
+    # training goes on, so the run may have committed iteration 3 by then.
     steps = [("commit:iter_0000002:kill", {"iter_0000001"}),
              ("write_tracker:iter_0000002:kill", {"iter_0000001"}),
              ("remove_retired:iter_0000001:kill", {"iter_0000002", "iter_0000003"})]
