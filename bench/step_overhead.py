@@ -56,7 +56,7 @@ NEEDED_HERE = {"cpu", "dataset-helpers-prebuilt"}
 WARMUP = 3
 SAVE_INTERVAL = 3
 INITIALIZED = "[after megatron is initialized]"  # megatron's line before the model is built
-_STEP = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+)")
+_STEP = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\)")
 _TIMER = re.compile(r"(save-checkpoint|load-checkpoint) \.+: \(([\d.]+), ([\d.]+)\)")
 
 
@@ -134,8 +134,8 @@ class TakingTurns:
         return None
 
     def finish(self) -> dict:
-        """The run's step CPU ms per iteration (after WARMUP, not saving), save times (its last
-        left out: the runs end together) and load time, in ms."""
+        """The run's step CPU ms per iteration (after WARMUP, not saving), save times (megatron's
+        last one, after the loop, left out) and load time, in ms."""
         if self.paused:
             self.rank.resume()
         log = self.run.finish(300)
