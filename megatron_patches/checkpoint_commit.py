@@ -312,7 +312,11 @@ def claim(save_dir: str) -> list[str]:
     record = json.dumps(_this_writer()).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
-    os.fsync(fd)
+    # Only a job on a filesystem without locks reads the record to judge this one alive; the
+    # fsync that puts it on a shared filesystem's server for that job runs beside the load
+    # (up to tens of ms on a busy server, while every rank waits for rank 0).
+    threading.Thread(target=os.fsync, args=(fd,), name="writer-record-fsync",
+                     daemon=True).start()
     _claimed[key] = fd  # held open: closing it would release the lock
     return done + recover(save_dir)
 

@@ -48,6 +48,8 @@ def coverage(global_shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
     ndim = len(global_shape)
     if ndim == 0:
         return Coverage(0.0 if boxes else 1.0, len(boxes) > 1, False)
+    if len(boxes) == 1 and boxes[0] == ((0,) * ndim, tuple(global_shape)):
+        return Coverage(0.0, False, False)  # one whole chunk (unsharded): no arrays to build
     ragged = any(len(o) != ndim or len(s) != ndim for o, s in boxes)
     boxes = [(o, s) for o, s in boxes if len(o) == ndim and len(s) == ndim]
     shape = np.asarray(global_shape, dtype=np.int64)

@@ -38,11 +38,21 @@ class ParamTruth:
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     expert: bool
-    how: str  # where the global shape comes from, for messages
+    # (group size, dim) the local shape is multiplied by; None: not partitioned
+    partition: tuple[int, int] | None
 
     @property
     def numel(self) -> int:
         return math.prod(self.local_shape)
+
+    @property
+    def how(self) -> str:
+        """Where the global shape comes from, for messages."""
+        if self.partition is None:
+            return f"local {list(self.local_shape)}"
+        size, dim = self.partition
+        group = "ETP" if self.expert else "TP"
+        return f"local {list(self.local_shape)} x {group}={size} on dim {dim}"
 
 
 @dataclasses.dataclass
@@ -70,15 +80,15 @@ def param_truth(name: str, module: torch.nn.Module, param: torch.Tensor) -> Para
     local = getattr(param, "orig_param", param)
     if isinstance(local, DTensor):
         return None
-    shape = list(local.shape)
+    local_shape = tuple(local.shape)
+    shape = list(local_shape)
     expert = not getattr(local, "allreduce", True) or ".experts." in f".{name}"
-    how = f"local {list(local.shape)}"
+    partition = None
     dim = getattr(local, "partition_dim", -1)
     if getattr(local, "tensor_model_parallel", False) and 0 <= dim < len(shape):
-        size = _group_size(module, local)
-        shape[dim] *= size
-        how += f" x {'ETP' if expert else 'TP'}={size} on dim {dim}"
-    return ParamTruth(name, tuple(local.shape), tuple(shape), expert, how)
+        partition = (_group_size(module, local), dim)
+        shape[dim] *= partition[0]
+    return ParamTruth(name, local_shape, tuple(shape), expert, partition)
 
 
 def _strip_wrappers(name: str) -> str:
