@@ -1,6 +1,6 @@
 """What the launcher's patches cost per training step, save and load (issue 14).
 
-    python bench/step_overhead.py [--pairs 4] [--iters 90]
+    python bench/step_overhead.py [--pairs 4] [--iters 90] [--load-pairs 16]
 
 Runs the tiny MoE GPT of the CPU tests through pretrain_moe.py on one rank twice at once: with
 every patch, and with every patch this machine does not need to run disabled
@@ -20,7 +20,11 @@ other gave 0.64-1.78 per pair, and runs side by side on the two cores 0.80-1.25.
   commit's fsyncs wait for the disk). Saves run while the other run is paused (megatron's last
   one, after the loop, left out). Both runs are paused once megatron is initialised, so that
   each then builds its model and loads while the other waits: the two loads run seconds apart,
-  one per run.
+  one per run. A run loads once, so --load-pairs more pairs only load (each run is stopped
+  once megatron has timed its load): 20 loads per mode by default, as many as the goal asks
+  of steps. A single load varies by a third from run to run (234-432 ms here, all of it CPU
+  time), a full Python collection (120-370 ms) falls inside some loads and not others, and a
+  pair's two loads run seconds apart: hence many pairs and their median.
 
 A pair gives one ratio per kind: the median, over the iterations (the saves) both runs measured,
 of unpatched / patched; for the load its one ratio. The result is the median of the pairs'
@@ -91,12 +95,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 class TakingTurns:
-    """One run that the bench pauses after each iteration (the one it saved in, after the next)."""
+    """One run that the bench pauses after each iteration (the one it saved in, after the next).
+    A load_only run is stopped once megatron has timed its load."""
 
-    def __init__(self, checkpoint: str, save: str, iters: int, disable: str, core: int):
+    def __init__(self, checkpoint: str, save: str, iters: int, disable: str, core: int,
+                 load_only: bool = False):
         shutil.rmtree(save, ignore_errors=True)
         shutil.copytree(checkpoint, save)
         self.iters = iters
+        self.load_only = load_only
         self.run = LiveRun([*TINY_MODEL, "--train-iters", str(iters), "--load", save, "--save",
                             save, "--save-interval", str(SAVE_INTERVAL), "--timing-log-level",
                             "0"], nproc=1, preexec=lambda: os.sched_setaffinity(0, {core}),
@@ -123,6 +130,9 @@ class TakingTurns:
                     self.rank.suspend()
                     self.paused = True
                     return 0
+                if self.load_only and "load-checkpoint" in line and _TIMER.search(line):
+                    self.run.stop()
+                    return None
                 if self.rank is not None and (step := _STEP.search(line)):
                     iteration = int(step.group(1))
                     self.cpu[iteration] = cpu_seconds(self.rank.pid)
@@ -135,24 +145,27 @@ class TakingTurns:
 
     def finish(self) -> dict:
         """The run's step CPU ms per iteration (after WARMUP, not saving), save times (megatron's
-        last one, after the loop, left out) and load time, in ms."""
+        last one, after the loop, left out) and load time, in ms; a load_only run's load time."""
         if self.paused:
             self.rank.resume()
         log = self.run.finish(300)
-        if self.run.proc.returncode != 0:
+        timers = {"save-checkpoint": [], "load-checkpoint": []}
+        for name, _, slowest in _TIMER.findall(log):
+            timers[name].append(float(slowest))
+        if self.load_only and timers["load-checkpoint"]:
+            return {"load": timers["load-checkpoint"]}  # stopped by the bench: no exit status
+        if self.load_only or self.run.proc.returncode != 0:
             sys.exit(f"step_overhead: a run failed (exit {self.run.proc.returncode}):\n"
                      f"{log[-3000:]}")
         first = min(self.cpu) + WARMUP
         steps = {i: 1000 * (self.cpu[i] - self.cpu[i - 1]) for i in self.cpu
                  if i - 1 in self.cpu and i - 1 >= first and (i - 1) % SAVE_INTERVAL}
-        timers = {"save-checkpoint": [], "load-checkpoint": []}
-        for name, _, slowest in _TIMER.findall(log):
-            timers[name].append(float(slowest))
         return {"step": steps, "save": timers["save-checkpoint"][:-1],
                 "load": timers["load-checkpoint"]}
 
 
-def pair(checkpoint: str, work: str, iters: int, disable: str, first: str) -> dict[str, dict]:
+def pair(checkpoint: str, work: str, iters: int, disable: str, first: str,
+         load_only: bool = False) -> dict[str, dict]:
     """Both modes taking turns, `first` first: each starts and is paused once megatron is
     initialised, then they alternate (model build, load and first iteration; then each
     iteration)."""
@@ -160,7 +173,7 @@ def pair(checkpoint: str, work: str, iters: int, disable: str, first: str) -> di
     runs = {}
     for mode in sorted(("patched", "unpatched"), key=lambda m: m != first):
         runs[mode] = TakingTurns(checkpoint, os.path.join(work, mode), iters,
-                                 "" if mode == "patched" else disable, core)
+                                 "" if mode == "patched" else disable, core, load_only)
         runs[mode].turn()
     while any([run.turn() is not None for run in runs.values()]):
         pass  # each run ends on its own turn (its last save and exit run alone)
@@ -180,7 +193,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--iters", type=int, default=90)
+    parser.add_argument("--load-pairs", type=int, default=16)
     options = parser.parse_args()
+    if options.pairs < 1:
+        parser.error("--pairs must be at least 1 (steps and saves come only from full pairs)")
     disable = ",".join(sorted(set(registered_patches()) - NEEDED_HERE))
     print(f"unpatched runs disable: {disable}", flush=True)
     start_iteration = 2
@@ -205,6 +221,13 @@ def main() -> None:
             for kind in pair_ratios:
                 pair_ratios[kind].append(paired_ratio(measured["unpatched"][kind],
                                                       measured["patched"][kind]))
+        for index in range(options.load_pairs):
+            measured = pair(checkpoint, work, options.iters + start_iteration, disable,
+                            "patched" if index % 2 == 0 else "unpatched", load_only=True)
+            print(f"load pair {index}: patched {measured['patched']['load'][0]:.1f} ms, "
+                  f"unpatched {measured['unpatched']['load'][0]:.1f} ms", flush=True)
+            pair_ratios["load"].append(paired_ratio(measured["unpatched"]["load"],
+                                                    measured["patched"]["load"]))
     ratios = {}
     for kind, values in pair_ratios.items():
         ratios[kind] = statistics.median(values)
