@@ -22,9 +22,9 @@ other gave 0.64-1.78 per pair, and runs side by side on the two cores 0.80-1.25.
   each then builds its model and loads while the other waits: the two loads run seconds apart,
   one per run. A run loads once, so --load-pairs more pairs only load (each run is stopped
   once megatron has timed its load): 20 loads per mode by default, as many as the goal asks
-  of steps. A single load varies by a third from run to run (234-432 ms here, all of it CPU
-  time), a full Python collection (120-370 ms) falls inside some loads and not others, and a
-  pair's two loads run seconds apart: hence many pairs and their median.
+  of steps. A single load varies by a third or more from run to run in either mode (250-540
+  ms here, all of it CPU time) and a pair's two loads run seconds apart: hence many pairs and
+  their median.
 
 A pair gives one ratio per kind: the median, over the iterations (the saves) both runs measured,
 of unpatched / patched; for the load its one ratio. The result is the median of the pairs'
