@@ -48,36 +48,14 @@ def coverage(global_shape: Sequence[int], boxes: Iterable[Box]) -> Coverage:
     ndim = len(global_shape)
     if ndim == 0:
         return Coverage(0.0 if boxes else 1.0, len(boxes) > 1, False)
+    if len(boxes) == 1 and boxes[0] == ((0,) * ndim, tuple(global_shape)):
+        return Coverage(0.0, False, False)  # one whole chunk (unsharded): no arrays to build
     ragged = any(len(o) != ndim or len(s) != ndim for o, s in boxes)
-    if not ragged and 0 < len(boxes) <= _FEW_BOXES:
-        if few := _few_boxes_on_a_grid(tuple(global_shape), boxes):
-            return few
     boxes = [(o, s) for o, s in boxes if len(o) == ndim and len(s) == ndim]
     shape = np.asarray(global_shape, dtype=np.int64)
     offsets = np.asarray([o for o, _ in boxes], dtype=np.int64).reshape(-1, ndim)
     sizes = np.asarray([s for _, s in boxes], dtype=np.int64).reshape(-1, ndim)
     return coverage_of_arrays(shape, offsets, sizes, ragged)
-
-
-# Up to this many boxes (a tensor on one rank, or split a few ways: most of a load guard's), plain
-# Python is faster than building numpy arrays of them.
-_FEW_BOXES = 16
-
-
-def _few_boxes_on_a_grid(shape: tuple[int, ...], boxes: list[Box]) -> Coverage | None:
-    """`_regular_grid_coverage` of a few boxes, in plain Python; None when they are not equal
-    boxes on a grid of their size inside the shape (the general path measures those)."""
-    size = boxes[0][1]
-    if min(size) <= 0 or any(s != size for _, s in boxes) or any(
-            g % n for g, n in zip(shape, size)):
-        return None
-    cells = set()
-    for offset, _ in boxes:
-        if any(o < 0 or o + n > g or o % n for o, n, g in zip(offset, size, shape)):
-            return None
-        cells.add(tuple(o // n for o, n in zip(offset, size)))
-    total = math.prod(g // n for g, n in zip(shape, size))
-    return Coverage(1 - len(cells) / total if total else 0.0, len(cells) < len(boxes), False)
 
 
 def coverage_of_arrays(shape: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
