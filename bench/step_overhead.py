@@ -130,7 +130,8 @@ class TakingTurns:
                     self.rank.suspend()
                     self.paused = True
                     return 0
-                if self.load_only and "load-checkpoint" in line and _TIMER.search(line):
+                if self.load_only and (timer := _TIMER.search(line)) and \
+                        timer.group(1) == "load-checkpoint":
                     self.run.stop()
                     return None
                 if self.rank is not None and (step := _STEP.search(line)):
@@ -168,7 +169,7 @@ def pair(checkpoint: str, work: str, iters: int, disable: str, first: str,
          load_only: bool = False) -> dict[str, dict]:
     """Both modes taking turns, `first` first: each starts and is paused once megatron is
     initialised, then they alternate (model build, load and first iteration; then each
-    iteration)."""
+    iteration). A load_only pair's runs end after their load."""
     core = max(os.sched_getaffinity(0))
     runs = {}
     for mode in sorted(("patched", "unpatched"), key=lambda m: m != first):
