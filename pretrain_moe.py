@@ -12,7 +12,9 @@ import sys
 
 import torch
 
-from moe_launcher.preflight import EXIT_STATUS as PREFLIGHT_EXIT, PreflightError, check_environment
+from moe_launcher.preflight import check_environment
+from moe_launcher.runtime.refusals import (
+    EXIT_STATUS as PREFLIGHT_EXIT, PreflightError, refusal_line, refusal_types)
 
 
 def log0(line: str) -> None:
@@ -32,7 +34,7 @@ def main(argv: list[str]) -> None:
     environment_lines = set_environment_defaults(argv, os.environ)
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
-        from megatron_patches import cpu_backend
+        from moe_launcher import cpu_backend
 
         cpu_backend.activate()
 
@@ -78,7 +80,6 @@ if __name__ == "__main__":
     except Exception as error:
         # A checkpoint save or load refused on purpose: one line per rank, no traceback. Rank 0
         # lingers a moment so torchrun does not stop the other ranks before they have printed.
-        from megatron_patches.checkpoint_commit import refusal_line, refusal_types
         if not isinstance(error, refusal_types()):
             raise
         print(refusal_line(error), file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from _checkpoints import run_scenario  # noqa: E402
 
-from megatron_patches import checkpoint_audit  # noqa: E402
+from moe_launcher.checkpoint_files import audit as checkpoint_audit  # noqa: E402
 
 
 def main() -> None:

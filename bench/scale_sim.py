@@ -17,8 +17,8 @@ states (fp32 param, exp_avg, exp_avg_sq: param-shaped ShardedTensors) -- on meta
   replica chunks, one storage entry per chunk), megatron's metadata.json and one (sparse)
   .distcp file per rank. Inside one load's `checkpoint_reads.reading_once`, as in a real load:
   the `.metadata` unpickle (megatron's own read, once per rank, which the checks reuse), the load
-  guard of the rank with the most tensors (`checkpoint_guard.load_problems`) and the
-  load-integrity file check (`checkpoint_commit.file_problems`, rank 0 only), counting their
+  guard of the rank with the most tensors (`checkpoint_load_guard.load_problems`) and the
+  load-integrity file check (`file_checks.file_problems`, rank 0 only), counting their
   filesystem calls.
 
 The ratio is (save guard + load guard + integrity) / megatron's check. Filesystem operations per
@@ -58,7 +58,10 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
     TensorStorageMetadata,
 )
 
-from megatron_patches import checkpoint_commit, checkpoint_guard, checkpoint_reads  # noqa: E402
+from moe_launcher.checkpoint_files import file_checks  # noqa: E402
+from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
+from megatron_patches.checkpointing import checkpoint_load_guard
+from moe_launcher.checkpoint_files import reads as checkpoint_reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,11 +273,11 @@ def simulate(model: Model, world: int) -> dict:
             guard_ops, integrity_ops = {"open": 0, "stat": 0}, {"open": 0, "stat": 0}
             with counting_filesystem_calls(guard_ops):
                 start = time.perf_counter()
-                problems = checkpoint_guard.load_problems(global_metadata[busiest], directory)
+                problems = checkpoint_load_guard.load_problems(global_metadata[busiest], directory)
                 load_guard = time.perf_counter() - start
             with counting_filesystem_calls(integrity_ops):
                 start = time.perf_counter()
-                problems += checkpoint_commit.file_problems(directory)
+                problems += file_checks.file_problems(directory)
                 integrity = time.perf_counter() - start
         assert problems == [], problems[:3]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

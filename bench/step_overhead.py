@@ -65,7 +65,7 @@ _TIMER = re.compile(r"(save-checkpoint|load-checkpoint) \.+: \(([\d.]+), ([\d.]+
 
 
 def registered_patches() -> list[str]:
-    code = ("from megatron_patches import cpu_backend; cpu_backend.activate(); "
+    code = ("from moe_launcher import cpu_backend; cpu_backend.activate(); "
             "from megatron_patches import registry; registry.load_patches(); "
             "print(','.join(sorted(registry._REGISTRY)))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

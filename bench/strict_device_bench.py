@@ -23,7 +23,7 @@ ROUNDS, WARMUP, STEPS = 4, 3, 20
 def steps() -> None:
     """In a fresh process: print the median forward+backward step time in seconds."""
     sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-    from megatron_patches import cpu_backend
+    from moe_launcher import cpu_backend
 
     cpu_backend.activate()
     import _megatron_cpu as cpu

@@ -37,6 +37,9 @@ class Patch:
     not_needed_because: Callable[[PatchContext], str | None]
     apply: Callable[[], None]
     requires: tuple[str, ...] = ()  # patches registered before this one that it works through
+    # State the patch keeps for the patches that require it (e.g. layer-census's model record),
+    # read through `record_of`: one object, registered, instead of a module global.
+    record: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,12 @@ def register(patch: Patch) -> Patch:
                          "(imported) before it")
     _REGISTRY[patch.name] = patch
     return patch
+
+
+def record_of(name: str):
+    """The record patch `name` keeps (see Patch.record); a patch reads only the records of the
+    patches it requires."""
+    return _REGISTRY[name].record
 
 
 def registered() -> list[Patch]:
@@ -126,28 +135,30 @@ def unwrapped(function):
 
 # Every patch module, imported (and so registered) by load_patches(), in the order applied.
 PATCH_MODULES = (
-    "megatron_patches.dataset_helpers",
-    "megatron_patches.local_norm_sequence_parallel",
-    "megatron_patches.distopt_torch_adam",
-    "megatron_patches.distopt_reshardable_offsets",
-    "megatron_patches.router_count_precision",
-    "megatron_patches.scheduler_resume_weight_decay",
-    "megatron_patches.global_aux_loss_dp_scale",
-    "megatron_patches.expert_rng_resume",
-    "megatron_patches.fsdp_dtensor_rng_per_tp_rank",
-    "megatron_patches.expert_load_metrics",
-    "megatron_patches.layer_layout",
-    "megatron_patches.built_model",
-    "megatron_patches.moe_aux_loss",
-    "megatron_patches.moe_mtp_repeated_z_loss",
-    "megatron_patches.flops",
-    "megatron_patches.mfu",
-    "megatron_patches.parameter_census",
-    "megatron_patches.fsdp_expert_etp_mesh",
-    "megatron_patches.fsdp_dtensor_optimizer_keys",
-    "megatron_patches.fsdp_one_rank_grad_scaling",
-    "megatron_patches.checkpoint_guard",
-    "megatron_patches.checkpoint_commit",
+    "megatron_patches.build.dataset_helpers_prebuilt",
+    "megatron_patches.build.local_norm_sequence_parallel",
+    "megatron_patches.checkpointing.distopt_torch_adam_resume",
+    "megatron_patches.checkpointing.distopt_reshardable_bucket_offsets",
+    "megatron_patches.moe.router_token_counts_fp32",
+    "megatron_patches.checkpointing.scheduler_resume_weight_decay",
+    "megatron_patches.moe.global_aux_loss_dp_scale",
+    "megatron_patches.checkpointing.expert_rng_per_ep_rank",
+    "megatron_patches.fsdp.fsdp_dtensor_rng_per_tp_rank",
+    "megatron_patches.moe.expert_load_metrics",
+    "megatron_patches.accounting.layer_layout_validation",
+    "megatron_patches.accounting.layer_census",
+    "megatron_patches.moe.moe_aux_loss_per_built_layer",
+    "megatron_patches.moe.moe_mtp_repeated_z_loss",
+    "megatron_patches.accounting.flops_from_layer_census",
+    "megatron_patches.accounting.mfu_log",
+    "megatron_patches.accounting.parameter_census",
+    "megatron_patches.fsdp.fsdp_expert_etp_sharding",
+    "megatron_patches.fsdp.fsdp_dtensor_optimizer_keys",
+    "megatron_patches.fsdp.fsdp_one_rank_grad_scaling",
+    "megatron_patches.checkpointing.checkpoint_completeness_guard",
+    "megatron_patches.checkpointing.checkpoint_load_guard",
+    "megatron_patches.checkpointing.atomic_checkpoint_commit",
+    "megatron_patches.checkpointing.checkpoint_load_integrity",
 )
 
 

@@ -15,7 +15,8 @@ import dataclasses
 import importlib.util
 from typing import Callable
 
-from moe_launcher.preflight import PreflightError, preflight_check
+from moe_launcher.preflight import preflight_check
+from moe_launcher.runtime.refusals import PreflightError
 
 
 @dataclasses.dataclass(frozen=True)

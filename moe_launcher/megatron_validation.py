@@ -20,7 +20,7 @@ import os
 import re
 import traceback
 
-from moe_launcher.preflight import PreflightError
+from moe_launcher.runtime.refusals import PreflightError
 
 # Names in megatron's checks that are config fields rather than flag destinations.
 _CONFIG_FIELD_FLAGS = {"num_moe_experts": "--num-experts", "seq_length": "--seq-length"}
@@ -105,7 +105,7 @@ def model_config(args: argparse.Namespace):
 
     with megatron_refusals():
         if args.hybrid_layer_pattern:
-            from moe_launcher.hybrid_spec import hybrid_model_config
+            from moe_launcher.model.hybrid_spec import hybrid_model_config
             return hybrid_model_config(args)
         return gpt_config_from_args(args)
 
@@ -153,9 +153,10 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 def checked_command_line(argv: list[str]):
     """Every check a command line gets before any work: megatron's parser, this project's
-    preflight checks (moe_launcher.preflight, moe_launcher.dependencies), megatron's validation
+    preflight checks (moe_launcher.preflight, .checkpoint_paths, .dependencies), megatron's validation
     and its config construction. Returns (args, pretrain config); raises PreflightError."""
-    from moe_launcher import dependencies, preflight  # noqa: F401 -- registers its checks
+    # Importing the check modules registers their checks.
+    from moe_launcher import checkpoint_paths, dependencies, preflight  # noqa: F401
 
     args = parse_command_line(argv)
     preflight.check_args(args)

@@ -18,22 +18,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import tempfile
 from typing import Callable
 
-EXIT_STATUS = 2
-
-
-class PreflightError(Exception):
-    """A command line or environment that cannot run. `flag` names what to change."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(message)
-        self.flag = flag
-
-    def line(self) -> str:
-        return f"pretrain_moe: error: {self}"
-
+from moe_launcher.runtime.refusals import PreflightError
 
 @dataclasses.dataclass(frozen=True)
 class PreflightCheck:
@@ -58,7 +45,7 @@ def preflight_check(name: str):
 # --------------------------------------------------------------------------------------------
 def check_environment(megatron_version: str | None = None) -> str:
     """The megatron-core track ('default'/'legacy'); PreflightError for an unsupported install."""
-    from megatron_patches.versions import (
+    from moe_launcher.runtime.versions import (
         UnsupportedMegatronVersion, check_megatron_version, check_training_package)
 
     try:
@@ -206,6 +193,16 @@ def check_tp_cp(args) -> None:
                              f"--context-parallel-size {cp}; fix: change either")
 
 
+@preflight_check("positive-sizes")
+def check_positive_sizes(args) -> None:
+    # megatron divides by --micro-batch-size (ZeroDivisionError) and asserts on --train-iters 0.
+    for flag, value in (("--micro-batch-size", args.micro_batch_size),
+                        ("--train-iters", args.train_iters)):
+        if value is not None and value < 1:
+            raise PreflightError(flag, f"{flag} {value}: it must be at least 1; fix: pass "
+                                       f"{flag} 1 or more")
+
+
 @preflight_check("batch-split")
 def check_batch(args) -> None:
     w, tp, pp, cp, _, _ = _sizes(args)
@@ -255,7 +252,8 @@ def check_save_interval(args) -> None:
 
 @preflight_check("pipeline-layer-layout")
 def check_layer_layout(args) -> list[int]:
-    from megatron_patches.layer_layout import LayerLayout, LayerLayoutError, validate_layer_layout
+    from moe_launcher.model.layer_layout import LayerLayout, validate_layer_layout
+    from moe_launcher.runtime.refusals import LayerLayoutError
 
     if args.num_layers is None:  # e.g. --use-checkpoint-args: megatron fills it in later
         return [-1] * args.pipeline_model_parallel_size
@@ -286,6 +284,20 @@ def check_transformer_engine(args) -> None:
                              "--transformer-impl transformer_engine, but Transformer Engine is "
                              "not installed (no `transformer_engine` module); fix: install it "
                              "(the NGC PyTorch image has it) or pass --transformer-impl local")
+
+
+@preflight_check("layernorm-1p-local-spec")
+def check_layernorm_1p_local_spec(args) -> None:
+    # megatron-core 0.19.2 parses --apply-layernorm-1p into layernorm_zero_centered_gamma,
+    # 0.15 into apply_layernorm_1p.
+    zero_centred = (getattr(args, "layernorm_zero_centered_gamma", False)
+                    or getattr(args, "apply_layernorm_1p", False))
+    if zero_centred and args.transformer_impl == "local":
+        raise PreflightError("--apply-layernorm-1p",
+                             "--apply-layernorm-1p needs Transformer Engine's norms: megatron's "
+                             "local spec (--transformer-impl local, the CPU backend's) fails on "
+                             "it once the model is built; fix: drop --apply-layernorm-1p, or "
+                             "run with Transformer Engine")
 
 
 @preflight_check("context-parallel-attention")
@@ -333,6 +345,11 @@ def check_router_top_k(args) -> None:
     experts, top_k = args.num_experts, args.moe_router_topk
     if not experts:
         return
+    if top_k < 1:  # megatron trains such a MoE: its experts never see a token
+        raise PreflightError("--moe-router-topk",
+                             f"--moe-router-topk {top_k} with --num-experts {experts}: no token "
+                             f"would reach an expert, so the experts would never train; fix: "
+                             f"pass --moe-router-topk 1 or more")
     if top_k > experts:
         raise PreflightError("--moe-router-topk",
                              f"--moe-router-topk {top_k} is more than --num-experts {experts}: "
@@ -356,48 +373,6 @@ def check_router_top_k(args) -> None:
                              f"({experts // groups} experts per group of "
                              f"--moe-router-num-groups {groups}); fix: raise "
                              f"--moe-router-group-topk or lower --moe-router-topk to {reachable}")
-
-
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
-@preflight_check("save-writable")
-def check_save_writable(args) -> None:
-    # Probed, not guessed (root passes every permission test, and a read-only mount or /proc
-    # refuses root too): a temporary folder made and removed in --save, or in the nearest
-    # folder above it that exists, so nothing is left behind.
-    if not args.save:
-        return
-    existing = _nearest_existing(args.save)
-    if not os.path.isdir(existing):
-        raise PreflightError("--save", f"--save {args.save}: {existing} is a file, not a folder; "
-                                       "fix: pass a folder path for --save")
-    try:
-        tempfile.TemporaryDirectory(dir=existing, prefix=".pretrain_moe-write-probe-").cleanup()
-    except OSError as error:
-        where = ("" if existing == os.path.abspath(args.save)
-                 else f" (it would be made in {existing})")
-        raise PreflightError("--save", f"--save {args.save} cannot be written{where}: "
-                                       f"{error.strerror}; fix: pass a --save folder you can "
-                                       "write") from None
-
-
-@preflight_check("load-exists")
-def check_load_exists(args) -> None:
-    # megatron warns about a missing --load and trains from random weights. The one missing
-    # --load that is meant is the run's own --save before its first checkpoint (a job that
-    # requeues itself passes --load == --save from the start).
-    if not args.load or os.path.exists(args.load):
-        return
-    if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
-        return
-    raise PreflightError("--load", f"--load {args.load} does not exist (megatron would start from "
-                                   "random weights); fix: pass an existing checkpoint folder, or "
-                                   "drop --load to start fresh")
 
 
 @preflight_check("megatron-fsdp-fresh-optimizer")
@@ -478,7 +453,7 @@ def check_args(args, only: tuple[str, ...] | None = None) -> None:
 
 
 LAYOUT_CHECKS = ("model-parallel-fits-world", "expert-grid-fits-stage", "experts-split",
-                 "tensor-and-context-split", "batch-split", "checkpoint-format",
+                 "tensor-and-context-split", "positive-sizes", "batch-split", "checkpoint-format",
                  "pipeline-layer-layout")
 
 
@@ -494,14 +469,24 @@ def check_layout(args) -> Layout:
 
 @preflight_check("hybrid-layer-pattern")
 def check_hybrid_layer_pattern(args) -> None:
-    # --hybrid-layer-pattern builds megatron's HybridModel (moe_launcher/hybrid_spec.py); a
+    # --hybrid-layer-pattern builds megatron's HybridModel (moe_launcher/model/hybrid_spec.py); a
     # layer family it cannot build here is refused rather than left to fail mid-build.
     pattern = args.hybrid_layer_pattern or args.hybrid_override_pattern
     if not pattern:
         return
-    from moe_launcher.hybrid_spec import pattern_problem
+    from moe_launcher.model.hybrid_spec import pattern_problem
 
     problem = pattern_problem(pattern, args.transformer_impl)
     if problem:
         raise PreflightError("--hybrid-layer-pattern", f"--hybrid-layer-pattern {pattern!r}: "
                              + problem)
+    # megatron-core 0.19.2 builds the pattern's layers and replaces --num-layers by their
+    # number without a word: the #1778 class (layers built != layers asked) for HybridModel.
+    decoder_layers = len(pattern.split("/")[0].replace("|", ""))
+    if args.num_layers is not None and args.num_layers != decoder_layers:
+        raise PreflightError("--num-layers",
+                             f"--num-layers {args.num_layers} but --hybrid-layer-pattern "
+                             f"{pattern!r} has {decoder_layers} decoder layers; megatron-core "
+                             f"would build {decoder_layers} and report them as "
+                             f"{args.num_layers} nowhere (NVIDIA/Megatron-LM#1778 class); fix: "
+                             f"pass --num-layers {decoder_layers} or change the pattern")

@@ -104,7 +104,7 @@ def damage_like_1836(sd: dict, shrink: bool = True) -> dict:
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-    from megatron_patches.config_shape_rules import is_expert_key
+    from moe_launcher.checkpoint_files.shape_rules import is_expert_key
 
     apply_factories(sd)
     etp = parallel_state.get_expert_tensor_parallel_world_size()
@@ -185,7 +185,9 @@ def _attempt(fn) -> str | None:
 
 
 def scenario_guards(out: str) -> dict:
-    from megatron_patches import checkpoint_guard, registry
+    from megatron_patches import registry
+    from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
+    from megatron_patches.checkpointing import checkpoint_load_guard
 
     statuses = registry.apply_patches(registry.current_context(cpu_backend=True))
     model, args = build_model(**LAYOUTS["etp2"])
@@ -203,7 +205,7 @@ def scenario_guards(out: str) -> dict:
                  checkpointing.generate_state_dict, checkpointing._load_base_checkpoint)
     registry.apply_patches(registry.current_context(cpu_backend=True))
     checkpoint_guard.apply_save_guard()
-    checkpoint_guard.apply_load_guard()
+    checkpoint_load_guard.apply_load_guard()
     idempotent = guard_fns == (checkpoint_guard.state_dict_utils.validate_sharding_integrity,
                                checkpointing.generate_state_dict, checkpointing._load_base_checkpoint)
     damaged_load = _attempt(lambda: load(model, args, os.path.join(out, "damaged")))
@@ -235,7 +237,7 @@ def _te_grouped_verdicts() -> dict:
 
     from megatron.core import parallel_state
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-    from megatron_patches import param_shapes
+    from moe_launcher.model import param_shapes
 
     etp_group = parallel_state.get_expert_tensor_parallel_group()
     h, rows, local_experts = 32, 24, 2  # rows per ETP rank
@@ -320,11 +322,12 @@ def scenario_fsdp_guard(out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron.training import checkpointing
-    from megatron_patches import checkpoint_guard
+    from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
+    from megatron_patches.checkpointing import checkpoint_load_guard
 
     dcp_save = dcp.save
     checkpoint_guard.apply_save_guard()
-    checkpoint_guard.apply_load_guard()
+    checkpoint_load_guard.apply_load_guard()
     model, args = build_model(tp=1, ep=1, etp=2, swiglu=False, ckpt_format="fsdp_dtensor")
     mesh = init_device_mesh("cpu", (WORLD,))
     good, damaged = (FsdpDTensorModel(model, mesh, d) for d in (False, True))
@@ -379,7 +382,7 @@ def scenario_bench(out: str, repeats: int = 15) -> dict:
     """Saves etp1/ and etp2/ once, then the ETP=2 model repeatedly without and with the guard
     (each timed from building the state dict to the end of the save)."""
     from megatron.training import checkpointing
-    from megatron_patches import checkpoint_guard
+    from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
 
     for name, layout in LAYOUTS.items():
         model, args = build_model(**layout)
@@ -430,7 +433,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     os.makedirs(out, exist_ok=True)
     # Before megatron is imported: the project's CPU backend stands in for CUDA.
-    from megatron_patches import cpu_backend
+    from moe_launcher import cpu_backend
 
     cpu_backend.activate()
     dist.init_process_group("gloo")

@@ -26,15 +26,15 @@ import time
 import torch
 
 import pretrain_moe
-from megatron_patches import checkpoint_commit
+from moe_launcher.checkpoint_files import commit_protocol, retention
 
 # Which iteration directory each hooked call is about.
 _SUBJECT = {
     "commit": lambda save_dir, dirname, tracker_value: dirname,
     "write_tracker": lambda save_dir, value: (
-        value if value == "release" else checkpoint_commit.iteration_dirname(int(value))),
+        value if value == "release" else commit_protocol.iteration_dirname(int(value))),
     "remove_retired": lambda path: os.path.basename(path).removeprefix(
-        checkpoint_commit.RETIRED_PREFIX),
+        commit_protocol.RETIRED_PREFIX),
 }
 
 
@@ -51,7 +51,9 @@ def _act(action: str) -> None:
 
 def _install(spec: str) -> None:
     point, dirname, action = spec.split(":", 2)
-    original = getattr(checkpoint_commit, point)
+    # Where each point is looked up when called: commit() calls write_tracker() in the same module.
+    module = retention if point == "remove_retired" else commit_protocol
+    original = getattr(module, point)
 
     @functools.wraps(original)
     def hooked(*args, **kwargs):
@@ -59,12 +61,12 @@ def _install(spec: str) -> None:
             _act(action)
         return original(*args, **kwargs)
 
-    setattr(checkpoint_commit, point, hooked)
+    setattr(module, point, hooked)
 
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():
-        from megatron_patches import cpu_backend
+        from moe_launcher import cpu_backend
 
         cpu_backend.activate()
     if os.environ.get("COMMIT_HOOK"):

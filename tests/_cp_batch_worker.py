@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_patches import cpu_backend  # noqa: E402
+from moe_launcher import cpu_backend  # noqa: E402
 
 cpu_backend.activate()
 

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from megatron_patches.checkpoint_metadata import resolve_iteration_dir
-from megatron_patches.config_shape_rules import is_expert_key
+from moe_launcher.checkpoint_files.metadata import resolve_iteration_dir
+from moe_launcher.checkpoint_files.shape_rules import is_expert_key
 
 
 def damage_like_1836(ckpt_dir: str, etp: int, shrink: bool = True) -> list[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_patches import cpu_backend  # noqa: E402
+from moe_launcher import cpu_backend  # noqa: E402
 
 cpu_backend.activate()
 
@@ -18,8 +18,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
-from megatron_patches import built_model  # noqa: E402
-from megatron_patches.built_model import Parallelism  # noqa: E402
+from moe_launcher.model import built_model, param_shapes  # noqa: E402
+from moe_launcher.model.built_model import Parallelism  # noqa: E402
 
 # name -> (global shape, expert, TP partition dim or None); dim 0 of "odd" splits 3 + 2.
 PARAMETERS = {"dense": ((8, 6), False, 0), "expert": ((4, 6), True, 1), "odd": ((5, 3), False, None)}
@@ -38,8 +38,13 @@ def parameter(full: torch.Tensor, expert: bool, partition_dim, local=None, mesh=
     return param
 
 
-def counts(params, parallelism):
-    shardings = [built_model.sharding_of(name, 0, p, parallelism) for name, p in params.items()]
+def counts(params, parallelism, tp_group=None):
+    # The layer that owns the parameters: its tp_group is what partitions them (param_shapes).
+    owner = torch.nn.Module()
+    owner.tp_group = tp_group
+    shardings = [built_model.sharding_of(name, 0, p, parallelism,
+                                         param_shapes.param_truth(name, owner, p))
+                 for name, p in params.items()]
     unique, held = built_model.count_parameters(shardings, parallelism)
     return {"unique": unique, "held": [h.total for h in held],
             "sharded": [h.sharded for h in held],
@@ -79,7 +84,8 @@ def main() -> None:
 
     report = {"total": sum(t.numel() for t in full.values()),
               "plain": counts(plain, fsdp), "fsdp": counts(sharded, fsdp),
-              "tp_plain": counts(tp_plain, tp), "tp_dtensor": counts(tp_dtensor, tp),
+              "tp_plain": counts(tp_plain, tp, dist.group.WORLD),
+              "tp_dtensor": counts(tp_dtensor, tp, dist.group.WORLD),
               "tp_dtensor_total": sum(full[n].numel() for n, (_, _, d) in PARAMETERS.items()
                                       if d is not None)}
     if rank == 0:

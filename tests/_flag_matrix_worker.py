@@ -28,7 +28,7 @@ def run_case(argv: list[str]) -> dict:
     import torch
 
     import pretrain_moe
-    from moe_launcher.preflight import PreflightError
+    from moe_launcher.runtime.refusals import PreflightError
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -59,7 +59,7 @@ def run_case(argv: list[str]) -> dict:
             torch.distributed.destroy_process_group()
         # The expert-load patch's registry of routers outlives the model here (something
         # still references the old model); one process per run never needs this reset.
-        from megatron_patches import expert_load_metrics
+        from megatron_patches.moe import expert_load_metrics
 
         expert_load_metrics._ROUTERS.clear()
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_patches import cpu_backend  # noqa: E402
+from moe_launcher import cpu_backend  # noqa: E402
 
 cpu_backend.activate()
 
@@ -79,7 +79,7 @@ def main(ckpt_dir: str, out_json: str) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1, expert_tensor_parallel_size=ETP,
         expert_model_parallel_size=1)
-    import megatron_patches.fsdp_expert_etp_mesh  # noqa: F401  (registers the patch)
+    import megatron_patches.fsdp.fsdp_expert_etp_sharding  # noqa: F401  (registers the patch)
 
     statuses = registry.apply_patches(registry.current_context(cpu_backend=True))
     patch_line = next(s.line() for s in statuses if s.name == "fsdp-expert-etp-sharding") \
@@ -96,7 +96,7 @@ def main(ckpt_dir: str, out_json: str) -> None:
         # The completeness guard checks the DTensors' global shapes against the parameters
         # before anything is written. megatron-core 0.15 has no megatron.training save call
         # site to hook, so this core-only save calls the guard where it builds its state dict.
-        from megatron_patches import checkpoint_guard
+        from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
 
         try:
             checkpoint_guard.refuse_wrong_model_shapes({"model": saved}, [saved_model])

@@ -2,8 +2,8 @@
 do (by hooking the module attributes they call). Run under torchrun like pretrain_moe.py; at exit
 each rank writes $IO_COUNT_DIR/rank<R>.json:
 
-  fsynced        basenames of the files checkpoint_commit fsynced
-  file_checks    calls of checkpoint_commit.file_problems (the load-integrity file check)
+  fsynced        basenames of the files the commit protocol fsynced
+  file_checks    calls of file_checks.file_problems (the load-integrity file check)
   metadata_reads .metadata files read from disk in this process (the checks' and megatron's)
   gathers        all-rank metadata gathers the save guard ran itself
   tiling_checks  tiling checks the save guard ran on all ranks' metadata
@@ -19,14 +19,15 @@ import sys
 import torch
 
 if not torch.cuda.is_available():  # before anything imports megatron.core
-    from megatron_patches import cpu_backend
+    from moe_launcher import cpu_backend
 
     cpu_backend.activate()
 
 import pretrain_moe  # noqa: E402
 from torch.distributed.checkpoint import filesystem  # noqa: E402
 
-from megatron_patches import checkpoint_commit, checkpoint_guard  # noqa: E402
+from moe_launcher.checkpoint_files import commit_protocol, file_checks  # noqa: E402
+from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
 
 COUNTS = {"fsynced": [], "file_checks": 0, "metadata_reads": 0, "gathers": 0,
           "tiling_checks": 0, "model_checks": 0}
@@ -57,9 +58,9 @@ def _write_counts():
 
 
 if __name__ == "__main__":
-    _counting(checkpoint_commit, "_fsync_file",
+    _counting(commit_protocol, "_fsync_file",
               lambda path: COUNTS["fsynced"].append(os.path.basename(path)))
-    _counting(checkpoint_commit, "file_problems", _bump("file_checks"))
+    _counting(file_checks, "file_problems", _bump("file_checks"))
     _counting(checkpoint_guard, "determine_global_metadata", _bump("gathers"))
     _counting(checkpoint_guard, "refuse_wrong_model_shapes", _bump("model_checks"))
     _counting(checkpoint_guard, "enforce_complete_layout", _bump("tiling_checks"))

@@ -106,7 +106,7 @@ def build_hybrid(config, pattern: str, seq_length: int):
     """A HybridModel from the launcher's local stack spec, as pretrain builds it without TE."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from moe_launcher.hybrid_spec import local_hybrid_stack_spec
+    from moe_launcher.model.hybrid_spec import local_hybrid_stack_spec
 
     init_world()
     _forget_previous_model_metrics()

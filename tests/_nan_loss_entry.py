@@ -14,7 +14,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 if not torch.cuda.is_available():  # as pretrain_moe.py does, before megatron is imported
-    from megatron_patches import cpu_backend
+    from moe_launcher import cpu_backend
 
     cpu_backend.activate()
 

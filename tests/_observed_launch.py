@@ -190,7 +190,7 @@ def _warmup_keeps_seed(training) -> None:
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():
-        from megatron_patches import cpu_backend
+        from moe_launcher import cpu_backend
 
         cpu_backend.activate()
     from megatron.training import training

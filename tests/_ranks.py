@@ -50,7 +50,7 @@ def _preload() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        from megatron_patches import cpu_backend
+        from moe_launcher import cpu_backend
 
         cpu_backend.activate()
     for module in PRELOAD:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_patches import cpu_backend  # noqa: E402
+from moe_launcher import cpu_backend  # noqa: E402
 
 cpu_backend.activate()
 

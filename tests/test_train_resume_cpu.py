@@ -12,9 +12,9 @@ from _launch import TINY_MODEL, launch, tensorboard_scalars
 K = 3  # iterations before the checkpoint; the runs go to 2K
 
 # The 1-rank layout is bench/gpu_check.sh's local-spec step (same flags, same bit-exact check),
-# which tests/test_gpu_check.py runs; the allgather dispatcher is covered with TP2 x EP2. TP2 x EP2
+# which tests/bench/test_gpu_check.py runs; the allgather dispatcher is covered with TP2 x EP2. TP2 x EP2
 # with all-to-all is in tp2-pp2-ep2, PP2 x EP2 in tp2-pp2-ep2 and pp2-vpp2-ep2 (and 2-rank EP2,
-# ETP2 and PP2 HybridModel layouts resume in tests/test_hybrid_model_cpu.py), to stay in CI's
+# ETP2 and PP2 HybridModel layouts resume in tests/moe_launcher/model/test_hybrid_model_cpu.py), to stay in CI's
 # budget.
 LAYOUTS = {
     "ep4": (4, ["--expert-model-parallel-size", "4"]),

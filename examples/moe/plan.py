@@ -6,9 +6,9 @@
 Adds the flags and environment pretrain_moe.py adds on a GPU node, parses them with megatron's
 own parser (megatron.training.arguments.parse_args, so flag parsing is identical to the real
 run), checks the layout arithmetic against the world size (the per-stage layer split with
-megatron_patches.layer_layout), runs megatron's validate_args and TransformerConfig checks on a
+moe_launcher.model.layer_layout), runs megatron's validate_args and TransformerConfig checks on a
 simulated H100, and prints the layout, the per-GPU parameter + optimizer memory estimate and
-the model FLOPs (megatron_patches.flops, the same numbers the training log prints). Nothing is
+the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
 trained, no process group is created. Exits 1 (and names the flag and the fix) when the
 layout cannot run, 2 when the flags do not parse.
 
@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
 GIB = 1024**3
 
 from moe_launcher import preflight  # noqa: E402
-from moe_launcher.preflight import Layout, PreflightError, moe_pattern  # noqa: E402,F401
+from moe_launcher.preflight import Layout, moe_pattern  # noqa: E402,F401
+from moe_launcher.runtime.refusals import PreflightError  # noqa: E402
 
 
 class PlanError(PreflightError):
@@ -46,8 +47,8 @@ class PlanError(PreflightError):
         super().__init__(flag, message)
 
 
-from megatron_patches.flops import ModelShape, flops_per_batch  # noqa: E402
-from megatron_patches.layer_layout import LayerCensus, expected_moe_layers  # noqa: E402
+from megatron_patches.accounting.flops_from_layer_census import ModelShape, flops_per_batch  # noqa: E402
+from moe_launcher.model.layer_layout import LayerCensus, expected_moe_layers  # noqa: E402
 from moe_launcher import megatron_validation  # noqa: E402
 from moe_launcher.platform_defaults import (  # noqa: E402
     set_environment_defaults, with_logging_defaults, with_platform_defaults)
@@ -249,7 +250,7 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
 
 
 def flops_per_iteration(args, config, layout: Layout) -> int:
-    """Model FLOPs of one global batch, computed by megatron_patches.flops exactly as the
+    """Model FLOPs of one global batch, computed by megatron_patches.accounting.flops_from_layer_census exactly as the
     training log's `FLOPs per iteration:` line, on the layer census the flags ask for."""
     moe = expected_moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq)
     stages = layout.stages if layout.stages[0] >= 0 else []
@@ -321,7 +322,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     flops = flops_per_iteration(validated, config, layout)
     tokens = args.global_batch_size * args.seq_length
     print(layout.line())
-    print(f"[plan] layer split checked by megatron_patches.layer_layout; megatron validate_args "
+    print(f"[plan] layer split checked by moe_launcher.model.layer_layout; megatron validate_args "
           f"and TransformerConfig accept the flags (simulated H100 with Transformer Engine"
           f"{', ' + ' '.join(f'{k}={v}' for k, v in env.items()) if env else ''})")
     print(f"[plan] parameters: total {human(total)}, active per token {human(active)}; "
@@ -336,7 +337,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
           f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
     print(f"[plan] model FLOPs per token: {flops // tokens} ({human(flops / tokens)}; "
-          f"megatron_patches.flops, forward+backward, causal attention halved)")
+          f"megatron_patches.accounting.flops_from_layer_census, forward+backward, causal attention halved)")
     print(f"FLOPs per iteration: {flops}")
     if mem.total > gpu_memory_gib * GIB:
         print(f"dry run FAILED: parameters + optimizer need {mem.total / GIB:.1f} GiB per GPU, "

@@ -231,7 +231,8 @@ elif ! getent ahosts "$MASTER_ADDR" >/dev/null; then
   die "MASTER_ADDR=$MASTER_ADDR ($addr_origin) does not resolve on $(hostname); fix: set" \
       "MASTER_ADDR to an address of $first_node that every node of the job can reach"
 fi
-MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# Below Linux's ephemeral range (32768-60999), where a port may already be taken by a connection.
+MASTER_PORT=${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}
 export MASTER_ADDR MASTER_PORT
 exit_if_finished
 

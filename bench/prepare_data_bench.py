@@ -1,0 +1,151 @@
+"""Throughput of `python -m moe_launcher.prepare_data` at 1 and at n workers (n = the cores),
+against a plain loop of megatron's tokenize(text) in one process, and peak memory.
+
+    .venv/bin/python bench/prepare_data_bench.py [--megabytes 50] [--workers N]
+
+Builds, in a temporary folder, a synthetic JSON lines corpus (pseudo-words, documents of 50 to
+800 words) and a byte-level BPE tokenizer trained on part of it with `tokenizers` (saved as a
+Hugging Face folder, vocabulary 32000). Throughput is tokens over the seconds the command's
+summary reports (workers started to output committed): megatron's import, paid once per run
+whatever the corpus, is left out. Peak memory is the command's process tree (parent + workers,
+PSS), sampled; the n-worker run is repeated on a quarter of the corpus to show it does not grow
+with the input. Goal: scaling >= 0.8, and per-worker throughput no lower than the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+SYLLABLES = ("ka to ri men sa lo qu ex pert rou ter gra di ent ion tha the an in on mo e "
+             "la yer to ken sha rd ck pt ba tch").split()
+
+
+def write_corpus(path: Path, megabytes: int) -> int:
+    rng = random.Random(0)
+    words = ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(20000)]
+    documents, written = 0, 0
+    with open(path, "w") as f:
+        while written < megabytes * 1_000_000:
+            text = " ".join(rng.choices(words, k=rng.randint(50, 800))) + "."
+            written += f.write(json.dumps({"id": documents, "text": text}) + "\n")
+            documents += 1
+    return documents
+
+
+def build_tokenizer(corpus: Path, folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    with open(corpus) as f:
+        sample = [json.loads(line)["text"] for line, _ in zip(f, range(3000))]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(sample, trainers.BpeTrainer(
+        vocab_size=32000, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+                            eos_token="<|endoftext|>").save_pretrained(folder)
+
+
+def plain_loop(corpus: Path, tokenizer: Path, seconds: float = 60) -> float:
+    """tokens/s of megatron's tokenize(text), one document at a time, in a fresh process (the
+    same tokenizer object prepare_data loads), over the corpus's first documents; only the
+    tokenize calls are timed."""
+    code = f"""
+import json, os, sys, time
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+from moe_launcher.prepare_data.tokenizer import load_tokenizer
+tokenizer = load_tokenizer({str(tokenizer)!r})
+tokens, spent = 0, 0.0
+with open({str(corpus)!r}, "rb") as f:
+    for line in f:
+        text = json.loads(line)["text"]
+        start = time.perf_counter()
+        tokens += len(tokenizer.tokenize(text))
+        spent += time.perf_counter() - start
+        if spent > {seconds}:
+            break
+print(tokens / spent)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return float(done.stdout.split()[-1])
+
+
+def prepare(inputs: list[Path], tokenizer: Path, prefix: Path, workers: int) -> dict:
+    """One run of the command: its tokens, seconds (from its summary) and the peak of its
+    process tree's memory, as PSS (forked workers share the parent's pages; RSS would count
+    them once per process)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_launcher.prepare_data", "--input", *map(str, inputs),
+         "--tokenizer", str(tokenizer), "--output-prefix", str(prefix), "--append-eod",
+         "--workers", str(workers), "--overwrite"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    peak = [0]
+
+    def sample():
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                tree = [root, *root.children(recursive=True)]
+                peak[0] = max(peak[0], sum(p.memory_full_info().pss for p in tree))
+            except psutil.Error:
+                pass
+            time.sleep(0.25)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    sampler.join()
+    assert proc.returncode == 0, err[-3000:]
+    found = re.search(r"(\d+) documents, (\d+) tokens, .* ([\d.]+) seconds", out)
+    assert found, out
+    return {"tokens": int(found[2]), "seconds": float(found[3]), "pss": peak[0] / 2**20}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megabytes", type=int, default=50)
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    args = parser.parse_args()
+    n = args.workers
+    with tempfile.TemporaryDirectory(prefix="prepare-data-bench-") as folder:
+        root = Path(folder)
+        corpus, quarter, tokenizer = root / "corpus.jsonl", root / "quarter.jsonl", root / "tok"
+        documents = write_corpus(corpus, args.megabytes)
+        write_corpus(quarter, args.megabytes // 4)
+        build_tokenizer(corpus, tokenizer)
+        print(f"corpus: {corpus.stat().st_size / 1e6:.1f} MB JSON lines, {documents} documents;"
+              f" tokenizer: byte-level BPE, vocabulary 32000; cores: {os.cpu_count()}",
+              flush=True)
+        plain = plain_loop(corpus, tokenizer)
+        one = prepare([corpus], tokenizer, root / "one", 1)
+        many = prepare([corpus], tokenizer, root / "many", n)
+        small = prepare([quarter], tokenizer, root / "small", n)
+        a, b = one["tokens"] / one["seconds"], many["tokens"] / many["seconds"]
+        print(f"plain tokenizer loop (megatron tokenize(text), 1 process): {plain:,.0f} tokens/s")
+        print(f"tokens/s at 1 worker: {a:,.0f}, at {n} workers: {b:,.0f}, scaling {b / a / n:.2f}")
+        print(f"per worker vs the plain loop: at 1 worker x{a / plain:.2f}, "
+              f"at {n} workers x{b / n / plain:.2f}")
+        print(f"peak RSS (PSS of parent + workers): 1 worker {one['pss']:.0f} MiB, {n} workers "
+              f"{many['pss']:.0f} MiB; {n} workers on a quarter of the corpus "
+              f"{small['pss']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Parameter totals and weight+optimizer memory from the model actually built.
+
+megatron's `theoretical_memory_usage.compute_weight_and_optimizer_memory` derives the parameter
+total, the most loaded shard and the weight+optimizer memory from `--num-layers`, assuming every
+pipeline stage holds num_layers / PP layers. With `--decoder-first/last-pipeline-num-layers` the
+stages are uneven (and before the layout fix could even hold other layers than asked), so the
+"most loaded shard" and the memory it implies are wrong for the stage that actually runs out of
+memory (NVIDIA/Megatron-LM#1778). This patch reports, from the record of the model built
+(moe_launcher/model/built_model.py, hence it requires `layer-census`), the parameters each rank holds, with
+megatron's own bytes-per-parameter rule. Under Megatron-FSDP a rank holds its DTensor shards of
+the optimizer state and, as the sharding strategy has it, shards or whole copies of the weights
+and gradients, in Megatron-FSDP's dtypes (moe_launcher/model/built_model.py).
+Targets megatron-core 0.15.x - 0.19.x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from moe_launcher.model.built_model import BuiltModel, HeldElements
+from megatron_patches import registry
+from megatron_patches.accounting import layer_census  # registered first: this patch requires it
+from megatron_patches.registry import Patch, register
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterCensus:
+    total: int  # unique parameters of the whole model built
+    most_loaded_rank: int  # parameters held by the rank that holds the most
+    weight_and_optimizer_bytes: float  # on the rank with the most such bytes
+
+    @classmethod
+    def of(cls, built: BuiltModel, distributed_optimizer: bool) -> ParameterCensus:
+        return cls(built.unique_parameters,
+                   max(held.total for held in built.held_per_rank),
+                   max(weight_and_optimizer_bytes(held, built.parallelism, distributed_optimizer)
+                       for held in built.held_per_rank))
+
+    def lines(self) -> list[str]:
+        return [f"[megatron_patches] parameters of the model built: total {self.total}, "
+                f"most loaded rank {self.most_loaded_rank}",
+                f"[megatron_patches] weight and optimizer memory on the most loaded rank: "
+                f"{self.weight_and_optimizer_bytes / 2**20:.2f} MB"]
+
+
+def _bytes_per_parameter(distributed_optimizer: bool, data_parallel_size: int) -> float:
+    # megatron's estimator: bf16 params, fp32 main grads and params, fp32 Adam moments;
+    # the distributed optimizer shards the 12 bytes of fp32 state over data parallelism.
+    return 6 + 12 / data_parallel_size if distributed_optimizer else 18
+
+
+def weight_and_optimizer_bytes(held: HeldElements, parallelism, distributed_optimizer: bool
+                               ) -> float:
+    # DTensor parameters: what the rank keeps of their weights, gradients and main weights, and
+    # megatron's two fp32 Adam moments per element of the shard.
+    return (held.dense * _bytes_per_parameter(distributed_optimizer, parallelism.data)
+            + held.expert * _bytes_per_parameter(distributed_optimizer, parallelism.expert_data)
+            + held.sharded_kept_bytes + 8 * held.sharded)
+
+
+def _apply() -> None:
+    from megatron.training import theoretical_memory_usage
+
+    estimate = theoretical_memory_usage.compute_weight_and_optimizer_memory
+    if getattr(estimate, "_from_model_built", False):
+        return
+
+    @functools.wraps(estimate)
+    def compute_weight_and_optimizer_memory(args, verbose=False):
+        built = registry.record_of(layer_census.PATCH.name).built
+        if built is None:
+            return estimate(args, verbose=verbose)
+        census = ParameterCensus.of(built, args.use_distributed_optimizer)
+        if verbose:
+            print("\n".join(census.lines()), flush=True)
+        return census.weight_and_optimizer_bytes
+
+    compute_weight_and_optimizer_memory._from_model_built = True
+    theoretical_memory_usage.compute_weight_and_optimizer_memory = (
+        compute_weight_and_optimizer_memory)
+
+
+PATCH = register(Patch(
+    name="parameter-census",
+    upstream="NVIDIA/Megatron-LM#1778",
+    versions=">=0.15,<0.20",
+    summary="parameter totals and weight+optimizer memory counted on the model built, per rank "
+            "(megatron.training.theoretical_memory_usage.compute_weight_and_optimizer_memory)",
+    not_needed_because=lambda context: None,  # megatron's estimate never sees the built model
+    apply=_apply,
+    requires=(layer_census.PATCH.name,),
+))

@@ -1,0 +1,1 @@
+"""Patches to how megatron-core builds and installs: its dataset helpers and the local spec's norms."""

@@ -1,0 +1,1 @@
+"""Patches to megatron-core's checkpoint save, load and resume paths."""

@@ -1,0 +1,294 @@
+"""Crash-safe checkpoint saves and loads that refuse damaged files before reading them.
+
+megatron-core 0.19.2 `megatron.training.checkpointing.save_checkpoint` writes every rank's files
+straight into `<save>/iter_XXXXXXX` (its own TODO: "Handle non-empty directories (e.g., after a
+crash during saving)") and then rank 0 rewrites `latest_checkpointed_iteration.txt` in place
+with `open(..., 'w')`: a crash between the truncate and the write leaves an empty tracker, which
+`read_metadata` answers with `sys.exit()` -- exit status 0, no training, no error. A re-save into
+an iteration directory that already holds files (a crash after the files but before the tracker,
+or a resumed run that saves the iteration it loaded) rewrites those files in place.
+
+"atomic-checkpoint-commit" wraps `save_checkpoint` (module attribute, and the reference
+`megatron.training.training` imported) so that, for synchronous global saves:
+
+Only the one job that writes a directory ever cleans it up. Rank 0 claims its --save for the
+life of the process with an exclusive lock on `<save>/_checkpoint_writer.lock` (a POSIX record
+lock: the kernel, or the NFS/Lustre/GPFS lock manager, drops it when the process dies, however
+it dies) and writes its host, pid and job there. Holding the lock proves every earlier writer
+dead, so the claim then recovers what their crashes left (`recover`): a `_replaced_*` directory
+the tracker still names is moved back, other leftovers are removed. A second job that would write
+the same --save while the holder lives is refused, naming the holder. A job whose --load is
+another directory (an evaluation, a fine-tune) only reads there: the iteration the tracker names,
+never a staged one, and it writes nothing (the directory may be read-only). The claim happens at
+load time when --save already exists, else at the first save. Where the filesystem has no locks
+the lock file's record decides: a writer on this host whose process is gone is dead, one still
+running is refused, one on another host cannot be judged, and the claim says so and goes on.
+
+Only the one job that writes a directory ever cleans it up: moe_launcher/checkpoint_files/writer_claim.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import inspect
+import os
+import shutil
+from typing import Callable
+
+from megatron_patches.registry import Patch, PatchContext, register
+from moe_launcher.checkpoint_files import commit_protocol
+from moe_launcher.checkpoint_files.commit_protocol import (
+    STAGING_PREFIX,
+    TRACKER,
+    iteration_dirname,
+    read_tracker,
+)
+from moe_launcher.checkpoint_files.retention import DeferredRetention
+from moe_launcher.checkpoint_files.writer_claim import WriterClaims
+from moe_launcher.runtime import collectives
+from moe_launcher.runtime.refusals import CheckpointLoadError, CheckpointSaveError
+
+COMMIT_MARK = "_megatron_patches_checkpoint_commit"
+
+
+def own(claims: WriterClaims, save_dir: str, create: bool) -> None:
+    """On every rank: rank 0 claims `save_dir` (`claims.claim`; only when it exists unless `create`)
+    and reports what it cleaned up; a refusal is raised on every rank alike."""
+    outcome: tuple[str, list[str]] = ("claimed", [])
+    if collectives.rank() == 0 and (create or os.path.isdir(save_dir)):
+        try:
+            outcome = ("claimed", claims.claim(save_dir))
+        except CheckpointSaveError as exc:
+            outcome = ("refused", [str(exc)])
+        except OSError as exc:  # e.g. not writable: megatron's own save reports that
+            outcome = ("claimed", [f"could not claim it for this job ({exc}); nothing there "
+                                   f"is cleaned up"])
+    kind, lines = collectives.gather_objects(outcome)[0]
+    if kind == "refused":
+        raise CheckpointSaveError(lines[0])
+    if collectives.rank() == 0:
+        for line in lines:
+            print(f"[megatron_patches] atomic-checkpoint-commit: {save_dir}: {line}", flush=True)
+
+
+@contextlib.contextmanager
+def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str,
+                retention: DeferredRetention):
+    """During megatron's save, files of `dirname` go to the staging directory, the tracker to a
+    scratch file (carrying the current value, which megatron reads for retention) and retention
+    deletions to `retention`. Yields the list of calls to run once the checkpoint is committed."""
+    final = os.path.join(save_dir, dirname)
+    staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+    get_name = checkpointing.get_checkpoint_name
+    get_tracker = checkpointing.get_checkpoint_tracker_filename
+
+    def get_checkpoint_name(*args, **kwargs):
+        name = get_name(*args, **kwargs)
+        if name == final or name.startswith(final + os.sep):
+            name = staging + name[len(final):]
+        return name
+
+    def get_checkpoint_tracker_filename(path):
+        if os.path.normpath(path) == os.path.normpath(save_dir):
+            return scratch_tracker
+        return get_tracker(path)
+
+    # wandb logs the checkpoint as an artifact; hold that back until the commit (the caller
+    # runs the deferred calls with the final paths).
+    wandb_utils = getattr(checkpointing, "wandb_utils", None)
+    on_saved = getattr(wandb_utils, "on_save_checkpoint_success", None)
+    deferred: list[Callable[[], None]] = []
+
+    def on_save_checkpoint_success(checkpoint_path, tracker_filename, directory, iteration):
+        deferred.append(lambda: on_saved(
+            final + checkpoint_path[len(staging):] if checkpoint_path.startswith(staging)
+            else checkpoint_path, get_tracker(directory), directory, iteration))
+
+    delete = getattr(checkpointing, "_async_delete_checkpoint_impl", None)
+    checkpointing.get_checkpoint_name = get_checkpoint_name
+    checkpointing.get_checkpoint_tracker_filename = get_checkpoint_tracker_filename
+    if on_saved is not None:
+        wandb_utils.on_save_checkpoint_success = on_save_checkpoint_success
+    if delete is not None:
+        checkpointing._async_delete_checkpoint_impl = retention.request
+    try:
+        yield deferred
+    finally:
+        checkpointing.get_checkpoint_name = get_name
+        checkpointing.get_checkpoint_tracker_filename = get_tracker
+        if on_saved is not None:
+            wandb_utils.on_save_checkpoint_success = on_saved
+        if delete is not None:
+            checkpointing._async_delete_checkpoint_impl = delete
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    causes = [line.strip() for line in text[1:] if "Error" in line and ":" in line]
+    return f"{type(exc).__name__}: {text[0] if text else ''}" + (
+        f" / {causes[-1]}" if causes else "")
+
+
+def _is_deliberate_refusal(exc: BaseException) -> bool:
+    """Whether a patch refused the save on purpose (its message names what is wrong and the
+    fix), anywhere in the exception chain. Such errors set `refusal_names_its_fix = True`."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if getattr(exc, "refusal_names_its_fix", False):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _room(save_dir: str) -> str:
+    """Free space and the file-size limit where the save failed (what 'disk full' looks like)."""
+    import resource
+
+    parts = []
+    with contextlib.suppress(OSError):
+        parts.append(f"{shutil.disk_usage(save_dir).free // 2**20} MiB free there")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        parts.append(f"file-size limit {limit} bytes")
+    return ", ".join(parts) or "free space unknown"
+
+
+def _say_if_retention_not_deferred(checkpointing, margs, said: set[str]) -> None:
+    if (getattr(margs, "save_retain_interval", None) and collectives.rank() == 0
+            and not hasattr(checkpointing, "_async_delete_checkpoint_impl")
+            and "retention" not in said):
+        said.add("retention")
+        print("[megatron_patches] atomic-checkpoint-commit: this megatron-core deletes "
+              "--save-retain-interval checkpoints without _async_delete_checkpoint_impl, so "
+              "their deletion is not deferred past the commit", flush=True)
+
+
+def _fsync_own_files_everywhere(staging: str) -> None:
+    """Every rank syncs its own files; a rank that cannot makes every rank raise, instead of
+    leaving the others in the commit barrier."""
+    try:
+        failure = None
+        commit_protocol.fsync_own_files(staging, collectives.rank())
+    except OSError as exc:
+        failure = f"rank {collectives.rank()} could not fsync its files: {exc}"
+    failures = [f for f in collectives.gather_objects(failure) if f]
+    if failures:
+        raise OSError(errno.EIO, "; ".join(failures))
+
+
+def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
+    signature = inspect.signature(original)
+    said: set[str] = set()  # notes this wrapper printed once
+
+    @functools.wraps(original)
+    def save_checkpoint(*args, **kwargs):
+        from megatron.training import checkpointing
+        from megatron.training.global_vars import get_args
+
+        margs = get_args()
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        if margs.async_save or call.arguments.get("non_persistent_ckpt") or not margs.save:
+            return original(*args, **kwargs)  # async/local saves commit elsewhere
+        save_dir = margs.save
+        release = bool(call.arguments.get("release"))
+        iteration = call.arguments["iteration"]
+        dirname = iteration_dirname(iteration, release)
+        scratch = os.path.join(save_dir, STAGING_PREFIX + TRACKER)
+        rank0 = collectives.rank() == 0
+        own(claims, save_dir, create=True)
+        _say_if_retention_not_deferred(checkpointing, margs, said)
+        if rank0 and os.path.isfile(os.path.join(save_dir, TRACKER)):
+            shutil.copyfile(os.path.join(save_dir, TRACKER), scratch)
+        staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+        retention = DeferredRetention()
+        try:
+            with _redirected(checkpointing, save_dir, dirname, scratch, retention) as after_commit:
+                result = original(*args, **kwargs)
+            _fsync_own_files_everywhere(staging)
+            if rank0:
+                commit_protocol.commit(save_dir, dirname, "release" if release else str(iteration))
+                if os.path.exists(scratch):
+                    os.unlink(scratch)
+                retention.committed()
+            collectives.barrier()  # the save returns on every rank only once it is committed
+            for deferred in after_commit:
+                deferred()
+        except (KeyboardInterrupt, SystemExit):
+            retention.abandoned()
+            raise
+        except BaseException as exc:  # torch's CheckpointException is a BaseException
+            retention.abandoned()
+            if rank0:
+                shutil.rmtree(staging, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.unlink(scratch)
+            try:
+                kept = read_tracker(save_dir)
+            except CheckpointLoadError:
+                kept = None
+            state = (f"{dirname} was committed before the failure ({TRACKER} names it)"
+                     if kept == dirname else
+                     f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
+                     f"which is unchanged; the partial {STAGING_PREFIX + dirname} was removed")
+            if _is_deliberate_refusal(exc):  # e.g. a checkpoint guard: its message has the fix
+                fix = (f"; {state}. Fix: as the refusal says; the run can resume with --load "
+                       f"{save_dir}")
+            else:
+                fix = (f"({_room(save_dir)}); {state}. Fix: free space in (or point --save away "
+                       f"from) {save_dir}, then resume with --load {save_dir}")
+            raise CheckpointSaveError(
+                f"saving iteration {iteration} to {save_dir} failed on rank {collectives.rank()}: "
+                f"{_first_line(exc)} {fix}") from exc
+        return result
+
+    setattr(save_checkpoint, COMMIT_MARK, True)
+    save_checkpoint.writer_claims = claims  # the load wrapper claims --save with the same record
+    return save_checkpoint
+
+
+def install(name: str, wrapper: Callable[[Callable], Callable], mark: str) -> None:
+    """Wraps megatron.training's `name` where save/load call it (checkpointing) and where
+    training imported it, once (`mark` tells a wrapped one)."""
+    from megatron.training import checkpointing, training
+
+    for module in (checkpointing, training):
+        current = getattr(module, name, None)
+        if current is not None and not hasattr(current, mark):
+            setattr(module, name, wrapper(current))
+
+
+def _commit_not_needed(context: PatchContext) -> str | None:
+    from megatron.training import checkpointing
+
+    source = inspect.getsource(checkpointing.save_checkpoint)
+    if "os.replace(" in source or "os.rename(" in source:
+        return "megatron-core already commits checkpoints by rename"
+    return None
+
+
+register(Patch(
+    name="atomic-checkpoint-commit",
+    upstream="Megatron-LM save_checkpoint TODO 'Handle non-empty directories (e.g., after a "
+             "crash during saving)'; in-place tracker write",
+    versions=">=0.15,<0.20",
+    summary="megatron.training.checkpointing.save_checkpoint writes to _partial_iter_*, rank 0 "
+            "renames it into place, then replaces the tracker (temp + fsync + os.replace); one "
+            "locked writer per --save cleans up; --save-retain-interval deletes after the commit",
+    not_needed_because=_commit_not_needed,
+    apply=lambda: install("save_checkpoint",
+                          functools.partial(_wrap_save, claims=WriterClaims()), COMMIT_MARK),
+))
+
+
+def writer_claims_of(save_checkpoint) -> WriterClaims | None:
+    """The claims record of atomic-checkpoint-commit's save wrapper, under any other patch's
+    wrapper of megatron's save_checkpoint; None where the commit patch is not applied."""
+    while save_checkpoint is not None:
+        if hasattr(save_checkpoint, COMMIT_MARK):
+            return save_checkpoint.writer_claims
+        save_checkpoint = getattr(save_checkpoint, "__wrapped__", None)
+    return None

@@ -1,0 +1,1 @@
+"""Patches to Megatron-FSDP (expert tensor parallelism, fsdp_dtensor checkpoints, gradients)."""

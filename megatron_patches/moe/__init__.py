@@ -1,0 +1,1 @@
+"""Patches to megatron-core's MoE routing, auxiliary losses and their logs."""

@@ -1,0 +1,1 @@
+"""Checkpoint files without a model: metadata, chunk geometry, shape rules, the audit, the commit protocol."""

@@ -1,0 +1,82 @@
+"""Preflight checks of --save and --load as folders: --save can be written (probed), --load
+exists and is a checkpoint. megatron-core 0.19.2 trains from random weights, without an error,
+for a --load that is missing, a file, or a folder that holds files but no checkpoint (a typo
+naming a run's parent folder, or a data folder). An empty folder, and the run's own --save
+before its first checkpoint, start fresh, as megatron does. Registered with `preflight_check`
+(imported by megatron_validation.checked_command_line).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from moe_launcher.preflight import preflight_check
+from moe_launcher.runtime.refusals import PreflightError
+
+# What marks a folder as megatron's checkpoint: its tracker, or an iteration folder.
+_TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+@preflight_check("save-writable")
+def check_save_writable(args) -> None:
+    # Probed, not guessed (root passes every permission test, and a read-only mount or /proc
+    # refuses root too): a temporary folder made and removed in --save, or in the nearest
+    # folder above it that exists, so nothing is left behind.
+    if not args.save:
+        return
+    existing = _nearest_existing(args.save)
+    if not os.path.isdir(existing):
+        raise PreflightError("--save", f"--save {args.save}: {existing} is a file, not a folder; "
+                                       "fix: pass a folder path for --save")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".pretrain_moe-write-probe-").cleanup()
+    except OSError as error:
+        where = ("" if existing == os.path.abspath(args.save)
+                 else f" (it would be made in {existing})")
+        raise PreflightError("--save", f"--save {args.save} cannot be written{where}: "
+                                       f"{error.strerror}; fix: pass a --save folder you can "
+                                       "write") from None
+
+
+@preflight_check("load-exists")
+def check_load_exists(args) -> None:
+    # megatron warns about a missing --load and trains from random weights. The one missing
+    # --load that is meant is the run's own --save before its first checkpoint (a job that
+    # requeues itself passes --load == --save from the start).
+    if not args.load or os.path.exists(args.load):
+        return
+    if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
+        return
+    raise PreflightError("--load", f"--load {args.load} does not exist (megatron would start from "
+                                   "random weights); fix: pass an existing checkpoint folder, or "
+                                   "drop --load to start fresh")
+
+
+def _holds_checkpoint(folder: str) -> bool:
+    return any(name == _TRACKER or name.startswith("iter_") or name == "release"
+               for name in os.listdir(folder))
+
+
+@preflight_check("load-is-a-checkpoint")
+def check_load_is_a_checkpoint(args) -> None:
+    if not args.load or not os.path.exists(args.load):
+        return  # load-exists has judged a missing one
+    if not os.path.isdir(args.load):
+        raise PreflightError("--load", f"--load {args.load} is a file, not a checkpoint folder "
+                                       "(megatron would start from random weights); fix: pass "
+                                       "the folder --save wrote")
+    own_save = args.save and os.path.abspath(args.save) == os.path.abspath(args.load)
+    if own_save or not os.listdir(args.load) or _holds_checkpoint(args.load):
+        return
+    raise PreflightError("--load", f"--load {args.load} holds files but no checkpoint (no "
+                                   f"{_TRACKER}, no iter_* folder; megatron would start from "
+                                   "random weights); fix: pass the folder --save wrote, not its "
+                                   "parent or a data folder")

@@ -1,0 +1,1 @@
+"""Runtime pieces every patch and tool shares: collectives, version checks, refusals."""

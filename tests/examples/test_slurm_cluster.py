@@ -1,0 +1,395 @@
+"""`sbatch examples/moe/train.sh` on a real Slurm cluster that the test brings up on this machine.
+
+One module-scoped cluster: munged, slurmctld and two slurmd (two nodes on this host, the first
+named after it so that it resolves), Debian's Slurm 22.05 packages, every conf/state/log/pid
+path in a temporary folder, SLURM_CONF pointing at a private slurm.conf, the daemons stopped by
+their pids at the end. Jobs run the tiny recipe (4 CPU ranks) through train.sh exactly as a
+CPU-only user submits it, with shorter schedules (TRAIN_ITERS/SAVE_INTERVAL). Without the
+packages the module skips, saying how to install them; in CI (CI=true) it fails instead.
+
+What runs here: sbatch/srun task launch, 1 node x 4 and 2 nodes x 2 tasks (same host),
+scontrol requeue, the time-limit signal, the launcher's refusals. What does not: GPUs, NCCL,
+pyxis/enroot containers, networking between hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_SH = "examples/moe/train.sh"
+PACKAGES = "slurmctld slurmd slurm-client munge"
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo",
+            "squeue", "scancel")
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.E+-]+)")
+
+pytestmark = pytest.mark.slow
+
+
+def program(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def running(pid: int) -> bool:
+    """A live process (not a zombie: the daemons' parent may not reap them)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_for(what: str, ready, timeout: float, poll: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = ready()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Cluster:
+    def __init__(self, root: Path):
+        self.root = root
+        self.host = socket.gethostname().split(".")[0]
+        self.nodes = [self.host, f"{self.host}-2"]  # the second sorts after the first
+        self.conf = root / "slurm.conf"
+        self.pid_files: list[Path] = []
+
+    # -- bring-up ------------------------------------------------------------------------
+    def start(self) -> None:
+        r = self.root
+        for d in ("state", "log", "spool", "munge-key", "out"):
+            (r / d).mkdir()
+        (r / "munge-key").chmod(0o700)  # munged wants a private key and a socket folder that
+        socket_dir = r / "munge"  # everyone may enter (and no group/world-writable parents)
+        socket_dir.mkdir(mode=0o755)
+        subprocess.run([program("mungekey"), "--create", "--keyfile", str(r / "munge-key/key")],
+                       check=True)
+        subprocess.run([program("munged"), f"--socket={socket_dir / 'socket'}",
+                        f"--key-file={r / 'munge-key/key'}", f"--pid-file={r / 'munged.pid'}",
+                        f"--log-file={r / 'log/munged.log'}", f"--seed-file={r / 'munge/seed'}"],
+                       check=True)
+        self.pid_files.append(r / "munged.pid")
+        ctld_port = free_port()
+        node_lines = "\n".join(
+            f"NodeName={n} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={free_port()} CPUs=8"
+            for n in self.nodes)
+        # CPUs=8 on a smaller machine: config_overrides lets slurmd use the declared count.
+        # MessageTimeout 30 s: while 4 ranks start or save on 2 cores, slurmctld can take more
+        # than the default 10 s to answer (a CI run's squeue failed so).
+        self.conf.write_text(f"""\
+ClusterName=ci
+SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={socket_dir / 'socket'}
+CredType=cred/munge
+StateSaveLocation={r / 'state'}
+SlurmdSpoolDir={r / 'spool'}/%n
+SlurmctldPidFile={r / 'slurmctld.pid'}
+SlurmdPidFile={r / 'slurmd'}-%n.pid
+SlurmctldLogFile={r / 'log/slurmctld.log'}
+SlurmdLogFile={r / 'log/slurmd'}-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=120
+MessageTimeout=30
+{node_lines}
+PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
+""")
+        subprocess.run([program("slurmctld"), "-i"], env=self.env(), check=True)
+        self.pid_files.append(r / "slurmctld.pid")
+        for node in self.nodes:
+            subprocess.run([program("slurmd"), "-N", node], env=self.env(), check=True)
+            self.pid_files.append(r / f"slurmd-{node}.pid")
+        wait_for("both nodes idle", lambda: self.run("sinfo", "-h", "-N", "-o", "%T").stdout
+                 .split() == ["idle", "idle"], timeout=60)
+
+    def stop(self) -> None:
+        # Jobs first, while slurmd can still end their steps; then the daemons, by their pids.
+        if self.conf.exists():
+            self.run("scancel", "--full", "--user=root")
+            try:
+                self.wait_idle(timeout=90)
+            except AssertionError:
+                pass
+        pids = [int(f.read_text().split()[0]) for f in reversed(self.pid_files) if f.exists()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        # slurmctld writes its state as it stops: wait, so that the folder can then be removed.
+        try:
+            wait_for("the daemons to stop", lambda: not any(map(running, pids)), 30, poll=0.2)
+        except AssertionError:
+            pass
+
+    # -- use -----------------------------------------------------------------------------
+    def env(self, **extra: str) -> dict[str, str]:
+        """This process's environment without Slurm's or train.sh's variables, plus SLURM_CONF."""
+        drop = {"RECIPE", "DRY_RUN", "NODES", "GPUS_PER_NODE", "NPROC", "EXTRA_ARGS", "DATA_PATH",
+                "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE", "MASTER_ADDR", "MASTER_PORT",
+                "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT", "TRAIN_ITERS", "SAVE_INTERVAL"}
+        env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+        env.update(SLURM_CONF=str(self.conf), PYTHON=sys.executable, PYTHONUNBUFFERED="1")
+        env.update(extra)
+        return env
+
+    def run(self, *command: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([program(command[0]) or command[0], *command[1:]], cwd=ROOT,
+                              env=self.env(**env), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def queue(self, *options: str) -> str | None:
+        """What `squeue -h [options]` lists; None when squeue fails (slurmctld busy or timing
+        out: the queue is then unknown, not empty)."""
+        try:
+            listed = self.run("squeue", "-h", *options)
+        except subprocess.TimeoutExpired:
+            return None
+        return listed.stdout.strip() if listed.returncode == 0 else None
+
+    def wait_idle(self, timeout: float) -> None:
+        wait_for("an empty queue", lambda: self.queue() == "", timeout)
+
+    def submit(self, name: str, *options: str, wait: bool = False, timeout: float = 600,
+               **env: str) -> "Job":
+        """sbatch [options] examples/moe/train.sh from the repository root, as a user does.
+        Only on an idle cluster: a one-node job then gets the first node, whose name resolves
+        (the second's does not, and train.sh refuses it as MASTER_ADDR)."""
+        self.wait_idle(timeout=300)
+        log = self.root / "out" / f"{name}.out"  # job ids restart at 1 with each fresh cluster
+        done = self.run("sbatch", "--parsable", "-o", str(log), *(["--wait"] if wait else []),
+                        *options, TRAIN_SH, timeout=timeout, **env)
+        job_id = done.stdout.strip().split(";")[0]
+        assert job_id.isdigit(), done.stdout + done.stderr
+        return Job(self, job_id, log, done.returncode if wait else None)
+
+
+class Job:
+    def __init__(self, cluster: Cluster, job_id: str, log: Path, returncode: int | None):
+        self.cluster, self.id, self.log_path, self.returncode = cluster, job_id, log, returncode
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def state(self) -> dict[str, str]:
+        out = self.cluster.run("scontrol", "show", "job", "-o", self.id).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def ended(self) -> bool:
+        """Whether the job has left the queue (its processes ended). The whole queue is asked:
+        `squeue -j` fails for a job slurmctld has already forgotten."""
+        listed = self.cluster.queue("-o", "%i")
+        return listed is not None and self.id not in listed.split()
+
+    def wait_log(self, pattern: str, timeout: float) -> re.Match:
+        """Waits for `pattern` in the log; fails at once, with the log, if the job ends first."""
+        def found() -> re.Match | None:
+            ended = self.ended()
+            match = re.search(pattern, self.log, re.M)  # read after: the last lines count
+            assert match or not ended, (f"job {self.id} ended without {pattern!r} in its log:\n"
+                                        f"{self.log[-4000:]}")
+            return match
+
+        return wait_for(f"{pattern!r} in job {self.id}'s log", found, timeout)
+
+    def wait_state(self, *states: str, timeout: float) -> dict[str, str]:
+        return wait_for(f"job {self.id} in state {'/'.join(states)}",
+                        lambda: (s := self.state()).get("JobState") in states and s, timeout)
+
+    def wait_done(self, timeout: float) -> dict[str, str]:
+        """Waits until the job has left the queue (its processes ended); its final state."""
+        wait_for(f"job {self.id} to end", self.ended, timeout)
+        return self.state()
+
+    def release(self) -> None:
+        """A requeued job waits ~2 minutes (Reason=BeginTime); let it start now."""
+        self.wait_state("PENDING", timeout=120)
+        done = self.cluster.run("scontrol", "update", f"jobid={self.id}", "starttime=now")
+        assert done.returncode == 0, done.stderr
+
+
+def attempts(log: str) -> list[str]:
+    """The log split at train.sh's attempt lines (--open-mode=append keeps them all)."""
+    parts = re.split(r"^(?=\[train\.sh\] recipe \S+, job \d+ attempt \d+:)", log, flags=re.M)
+    return [p for p in parts if p.startswith("[train.sh] recipe")]
+
+
+def losses(log: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(3) for m in ITERATION.finditer(log)}
+
+
+def saved_iteration(ckpt: Path) -> int:
+    return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+
+
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    missing = [p for p in PROGRAMS if program(p) is None]
+    message = None
+    if missing:
+        message = (f"Slurm is not installed ({', '.join(missing)} missing); install it with "
+                   f"`apt-get install -y {PACKAGES}` (.ci/run does this in CI)")
+    elif os.geteuid() != 0:
+        message = "the test cluster runs its daemons as root (SlurmUser=root); run as root"
+    if message:
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    root = Path(tempfile.mkdtemp(prefix="slurm-ci-"))
+    root.chmod(0o755)
+    c = Cluster(root)
+    try:
+        c.start()
+        yield c
+    except BaseException:
+        for log in sorted((root / "log").glob("*.log")):
+            print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        c.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+SHORT = dict(TRAIN_ITERS="6", SAVE_INTERVAL="6")
+
+
+@pytest.fixture(scope="module")
+def one_node_run(cluster):
+    """README's CPU-only submission: `sbatch --ntasks-per-node=4 examples/moe/train.sh`."""
+    ckpt = cluster.root / "ckpt-1x4"
+    job = cluster.submit("1x4", "--ntasks-per-node=4", wait=True, CKPT_DIR=str(ckpt), **SHORT)
+    return job, ckpt
+
+
+def test_one_node_four_tasks_trains_and_saves(cluster, one_node_run):
+    job, ckpt = one_node_run
+    log = job.log
+    assert job.returncode == 0, log[-6000:]
+    assert (f"[train.sh] recipe tiny_cpu, job {job.id} attempt 1: 1 node(s), 4 ranks, "
+            f"MASTER_ADDR={cluster.host} (the job's first node)") in log
+    assert "srun --kill-on-bad-exit=1 bash -c" in log and "--exit-signal-handler" in log
+    assert sorted(losses(log)) == list(range(1, 7)), log[-4000:]
+    assert saved_iteration(ckpt) == 6 and (ckpt / "iter_0000006").is_dir()
+    assert "train.sh: WARNING" not in log
+
+
+def test_two_nodes_two_tasks_match_one_node_four_tasks(cluster, one_node_run):
+    ckpt = cluster.root / "ckpt-2x2"
+    job = cluster.submit("2x2", "--nodes=2", "--ntasks-per-node=2", wait=True,
+                         CKPT_DIR=str(ckpt), **SHORT)
+    log = job.log
+    assert job.returncode == 0, log[-6000:]
+    assert f"job {job.id} attempt 1: 2 node(s), 4 ranks, MASTER_ADDR={cluster.host}" in log
+    assert "train.sh: WARNING" not in log  # the world size matches: no node-count warning
+    assert losses(log) == losses(one_node_run[0].log)
+    assert saved_iteration(ckpt) == 6
+
+
+def test_resubmitting_a_finished_run_says_so_and_how_to_train_further(cluster, one_node_run):
+    job = cluster.submit("finished", "--ntasks-per-node=4", wait=True,
+                         CKPT_DIR=str(one_node_run[1]), **SHORT)
+    assert job.returncode == 0, job.log
+    assert "nothing to train" in job.log and "holds iteration 6" in job.log
+    assert "--override-opt_param-scheduler" in job.log and "TRAIN_ITERS" in job.log
+    assert "[train.sh] command:" not in job.log  # nothing was started
+
+
+def test_refusals_before_any_training(cluster):
+    # The header's 8 tasks per node for the 4-rank recipe: refused, naming the options to use.
+    wrong = cluster.submit("8-tasks", wait=True, CKPT_DIR=str(cluster.root / "unused"))
+    assert wrong.returncode == 2, wrong.log
+    assert "recipe tiny_cpu runs 4 ranks (1 node(s) x 4), but job" in wrong.log
+    assert "has 8 task(s)" in wrong.log and "--ntasks-per-node=4" in wrong.log
+    # A first node whose name does not resolve: refused at once instead of a rendezvous hang.
+    start = time.monotonic()
+    unresolved = cluster.submit("unresolved", "--ntasks-per-node=4", f"-w{cluster.nodes[1]}",
+                                wait=True, CKPT_DIR=str(cluster.root / "unused"))
+    assert unresolved.returncode == 2, unresolved.log
+    assert (f"MASTER_ADDR={cluster.nodes[1]} (the job's first node) does not resolve"
+            in unresolved.log) and time.monotonic() - start < 60
+    assert not (cluster.root / "unused").exists()
+
+
+def test_dry_run_in_a_job_is_sized_from_the_job(cluster):
+    job = cluster.submit("dry", "--nodes=2", "--ntasks-per-node=2", wait=True, DRY_RUN="1")
+    assert job.returncode == 0, job.log
+    assert (f"[train.sh] recipe tiny_cpu: dry run for 4 ranks (job {job.id}: 2 node(s), "
+            "tasks per node 2(x2))") in job.log
+    assert "[layout] world=4 " in job.log and "dry run OK" in job.log
+    bigger = cluster.submit("dry-6", "--nodes=2", "--ntasks-per-node=3", wait=True, DRY_RUN="1")
+    assert bigger.returncode == 2 and "has 6 task(s) on 2 node(s)" in bigger.log, bigger.log
+
+
+def test_requeue_mid_run_saves_and_resumes_appending_to_the_log(cluster):
+    ckpt = cluster.root / "ckpt-requeue"
+    job = cluster.submit("requeue", "--ntasks-per-node=4", CKPT_DIR=str(ckpt),
+                         TRAIN_ITERS="10", SAVE_INTERVAL="100")
+    job.wait_log(r"iteration\s+3/", timeout=240)
+    assert cluster.run("scontrol", "requeue", job.id).returncode == 0
+    job.release()
+    assert job.wait_done(timeout=600)["JobState"] == "COMPLETED", job.log[-6000:]
+    first, second = attempts(job.log)
+    saved = int(re.search(r"successfully saved checkpoint from iteration\s+(\d+)", first).group(1))
+    assert 3 <= saved < 10 and "SIGTERM" in first
+    assert f"job {job.id} attempt 2:" in second
+    assert max(losses(first)) == saved and min(losses(second)) == saved + 1, job.log[-6000:]
+    assert saved_iteration(ckpt) == 10
+
+
+def test_time_limit_saves_first_and_the_requeued_job_continues(cluster):
+    ckpt = cluster.root / "ckpt-time-limit"
+    job = cluster.submit("time-limit", "--ntasks-per-node=4", "--time=30", "--signal=B:USR1@90",
+                         CKPT_DIR=str(ckpt), TRAIN_ITERS="1000", SAVE_INTERVAL="1000")
+    job.wait_log(r"iteration\s+2/", timeout=420)
+    # Once it trains, its time limit comes 2-3 minutes ahead. slurmctld looks every 30 s and
+    # sends USR1 up to 30 s before --signal's 90 s: 90-120 s before the limit.
+    hours, minutes, _ = map(int, job.state()["RunTime"].split(":"))
+    minutes += 60 * hours + 3
+    update = cluster.run("scontrol", "update", f"jobid={job.id}", f"timelimit={minutes}")
+    assert update.returncode == 0, update.stderr
+    job.wait_log(r"^\[train\.sh\] requeueing job", timeout=300)
+    first = attempts(job.log)[0]
+    assert "[train.sh] time limit ahead (USR1)" in first
+    saved = int(re.search(r"successfully saved checkpoint from iteration\s+(\d+)", first).group(1))
+    assert saved == max(losses(first)) and saved_iteration(ckpt) == saved
+    assert cluster.run("scontrol", "update", f"jobid={job.id}", "timelimit=30").returncode == 0
+    job.release()
+    job.wait_log(rf"iteration\s+{saved + 1}/", timeout=420)
+    second = attempts(job.log)[1]
+    assert min(losses(second)) == saved + 1
+    assert cluster.run("scancel", job.id).returncode == 0  # SIGTERM: the ranks save again
+    job.wait_done(timeout=300)
+    assert saved_iteration(ckpt) > saved

@@ -1,0 +1,255 @@
+"""Failure safety in real 2-rank gloo runs of pretrain_moe.py: nothing lost, every refusal explained.
+
+* SIGKILL of a random rank at random (seeded) moments of a run that saves every iteration:
+  after every kill the tracker names a complete checkpoint (every file the metadata lists is
+  there and long enough; the #1836 audit passes where installed), no checkpoint at or below the
+  tracker changed by a byte, and the restart resumes from the tracker and goes on training.
+* A save that runs out of room (RLIMIT_FSIZE; the launcher ignores SIGXFSZ so writes fail with
+  EFBIG): the run stops with one line naming the checkpoint directory; the previous checkpoint
+  and the tracker are byte-for-byte unchanged; no partial directory is left.
+* Damaged checkpoints (truncated / deleted .distcp, missing .metadata, empty tracker, tracker
+  naming a missing directory, #1836 expert shapes where the layout guard is installed): every
+  rank refuses within seconds with a message naming the directory and what is wrong, before
+  megatron reads a tensor.
+
+The counts of kills, corruptions and their outcomes are printed (`-s`) and asserted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import resource
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from _launch import TINY_MODEL, LiveRun, launch
+from moe_launcher.checkpoint_files.commit_protocol import TRACKER
+from moe_launcher.checkpoint_files.file_checks import file_problems
+
+pytestmark = pytest.mark.slow
+
+SEED = int(os.environ.get("FAILSAFE_SEED", "1836"))
+KILLS = int(os.environ.get("FAILSAFE_KILLS", "6"))
+TRAIN_ITERS = 16
+COMMON = [*TINY_MODEL, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+          "--moe-token-dispatcher-type", "alltoall", "--save-interval", "1"]
+EP2 = ["--expert-model-parallel-size", "2"]
+ETP2 = ["--expert-tensor-parallel-size", "2"]  # the layout #1836 damaged
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def tracker_dir(save: Path) -> Path:
+    text = (save / TRACKER).read_text().strip()
+    return save / f"iter_{int(text):07d}"
+
+
+def audit_exit_status(iteration_dir: Path) -> int | None:
+    """The #1836 audit's verdict (0 complete, 1 damaged, 2 unreadable), in process (the same
+    as `python -m megatron_patches.checkpoint_audit DIR`); None where it is not installed."""
+    try:
+        from moe_launcher.checkpoint_files.audit import UnreadableCheckpoint, audit
+    except ImportError:
+        return None
+    try:
+        return audit(str(iteration_dir)).exit_status
+    except UnreadableCheckpoint:
+        return 2
+
+
+def test_sigkill_at_random_moments_never_loses_a_checkpoint(tmp_path):
+    rng = random.Random(SEED)
+    save = tmp_path / "ckpt"
+    args = [*COMMON, *EP2, "--train-iters", str(TRAIN_ITERS), "--save", str(save),
+            "--load", str(save)]
+    committed: dict[str, dict[str, str]] = {}  # checkpoints at or below the tracker
+    kills = kills_mid_save = 0
+    lost_or_wrong = []
+    expected_resume = None
+    started = time.monotonic()
+    for cycle in range(KILLS):
+        run = LiveRun(args)
+        saves_before_kill = rng.randint(1, 2)
+        if not run.wait_for("saving checkpoint at iteration", saves_before_kill,
+                            time.monotonic() + 150):
+            run.finish(60)
+            break  # training finished before this kill
+        time.sleep(rng.uniform(0.0, 0.4))
+        mid_save = run.count("saving checkpoint at iteration") > run.count(
+            "successfully saved checkpoint")
+        victims = run.ranks()
+        if run.proc.poll() is not None or not victims:
+            run.finish(60)
+            break
+        rng.choice(victims).send_signal(signal.SIGKILL)
+        kills += 1
+        kills_mid_save += mid_save
+        log = run.finish(90)
+        if expected_resume is None and "successfully loaded checkpoint" in log:
+            lost_or_wrong.append(f"cycle {cycle}: loaded a checkpoint the tracker never named")
+        if expected_resume is not None and (
+                f"successfully loaded checkpoint from {save}" not in log
+                or f"at iteration {expected_resume}" not in log):
+            lost_or_wrong.append(f"cycle {cycle}: did not resume from iteration {expected_resume}")
+
+        # The tracker names a complete checkpoint; nothing at or below it changed.
+        if not (save / TRACKER).exists():  # killed during the very first save
+            if committed:
+                lost_or_wrong.append(f"cycle {cycle}: the tracker vanished")
+            continue
+        target = tracker_dir(save)
+        if problems := file_problems(str(target)):
+            lost_or_wrong.append(f"cycle {cycle}: {target.name} damaged: {problems}")
+        if audit_exit_status(target) not in (None, 0):
+            lost_or_wrong.append(f"cycle {cycle}: audit rejects {target.name}")
+        for name, files in committed.items():
+            if not (save / name).is_dir() or snapshot(save / name) != files:
+                lost_or_wrong.append(f"cycle {cycle}: committed {name} changed or vanished")
+        for directory in save.glob("iter_*"):
+            if directory.name <= target.name and directory.name not in committed:
+                committed[directory.name] = snapshot(directory)
+        expected_resume = int(target.name.split("_")[1])
+
+    # A last run resumes from the tracker and trains to the end.
+    final = launch(2, args, timeout=300).check()
+    assert f"at iteration {expected_resume}" in final.log, final.log[-3000:]
+    assert f"iteration {TRAIN_ITERS:8d}/{TRAIN_ITERS:8d}" in final.log
+    assert tracker_dir(save).name == f"iter_{TRAIN_ITERS:07d}"
+    assert not file_problems(str(tracker_dir(save)))
+    for name, files in committed.items():
+        assert snapshot(save / name) == files, f"committed {name} changed"
+    assert not list(save.glob("_partial_*")) and not list(save.glob("_replaced_*"))
+    print(f"\n[failsafe] SIGKILL: {kills} kills ({kills_mid_save} during a save), "
+          f"{len(committed)} committed checkpoints checked after each, "
+          f"{len(lost_or_wrong)} lost or wrong checkpoints, "
+          f"{time.monotonic() - started:.0f}s")
+    assert kills >= min(KILLS, 6), f"only {kills} kills happened"
+    assert not lost_or_wrong, lost_or_wrong
+
+
+# --------------------------------------------------------------------------------------------
+# A good ETP=2 checkpoint (iterations 1 and 2) shared by the disk-full and damage tests.
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> Path:
+    save = tmp_path_factory.mktemp("good") / "ckpt"
+    launch(2, [*COMMON, *ETP2, "--train-iters", "4", "--exit-interval", "2",
+               "--save", str(save)], timeout=300).check()
+    assert (save / TRACKER).read_text().strip() == "2"
+    return save
+
+
+def resume_args(save: Path) -> list[str]:
+    return [*COMMON, *ETP2, "--train-iters", "4", "--load", str(save), "--save", str(save)]
+
+
+def refusals(log: str) -> list[str]:
+    # Two ranks share the pipe, so a refusal may start mid-line after another rank's output.
+    marker = "pretrain_moe: error:"
+    return [marker + part for line in log.splitlines() if marker in line
+            for part in line.split(marker)[1:]]
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint(good_checkpoint, tmp_path):
+    save = tmp_path / "ckpt"
+    shutil.copytree(good_checkpoint, save)
+    before = {d.name: snapshot(d) for d in save.glob("iter_*")}
+    tracker = (save / TRACKER).read_bytes()
+    limit = 1_000_000  # below one rank's .distcp file (~2.3 MB)
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    started = time.monotonic()
+    run = LiveRun(resume_args(save), preexec=small_files)
+    log = run.finish(240)
+    assert run.proc.returncode != 0, log[-3000:]
+    errors = refusals(log)
+    assert errors and all(f"saving iteration 3 to {save} failed" in e for e in errors), log[-4000:]
+    assert f"file-size limit {limit} bytes" in errors[0]
+    assert (save / TRACKER).read_bytes() == tracker
+    assert {d.name: snapshot(d) for d in save.glob("iter_*")} == before
+    assert not list(save.glob("_partial_*")), list(save.iterdir())
+    print(f"\n[failsafe] disk full: 1 save refused in {time.monotonic() - started:.0f}s, "
+          f"previous checkpoint and tracker unchanged")
+
+
+def _truncate(d: Path) -> str:
+    victim = sorted(d.glob("iter_0000002/*.distcp"))[-1]
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    return f"its file {victim.name} is truncated"
+
+
+def _delete_distcp(d: Path) -> str:
+    victim = sorted(d.glob("iter_0000002/*.distcp"))[0]
+    victim.unlink()
+    return f"its file {victim.name} is missing"
+
+
+def _delete_metadata(d: Path) -> str:
+    (d / "iter_0000002" / ".metadata").unlink()
+    return ".metadata is missing"
+
+
+def _empty_tracker(d: Path) -> str:
+    (d / TRACKER).write_text("")  # what megatron's in-place rewrite leaves after a crash
+    return "not an iteration number"
+
+
+def _tracker_to_missing(d: Path) -> str:
+    shutil.rmtree(d / "iter_0000002")
+    return "iter_0000002: the directory does not exist"
+
+
+def _damage_1836(d: Path) -> str:
+    pytest.importorskip("megatron_patches.checkpointing.checkpoint_completeness_guard")
+    damage = pytest.importorskip("_damage_metadata")
+    damage.damage_like_1836(str(d), etp=2)
+    return "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+
+
+DAMAGE = {
+    "truncated-distcp": _truncate,
+    "deleted-distcp": _delete_distcp,
+    "missing-metadata": _delete_metadata,
+    "empty-tracker": _empty_tracker,
+    "tracker-names-missing-dir": _tracker_to_missing,
+    "expert-shapes-1836": _damage_1836,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_checkpoint_is_refused_on_every_rank(damage, good_checkpoint, tmp_path):
+    save = tmp_path / "ckpt"
+    shutil.copytree(good_checkpoint, save)
+    expected = DAMAGE[damage](save)
+    started = time.monotonic()
+    run = launch(2, resume_args(save), timeout=240)
+    seconds = time.monotonic() - started
+    (tmp_path / "run.log").write_text(run.log)
+    errors = refusals(run.log)
+    assert run.returncode != 0, run.log[-3000:]
+    assert "successfully loaded checkpoint" not in run.log
+    assert "iteration        3/" not in run.log, "trained on a damaged checkpoint"
+    for rank in (0, 1):
+        if damage == "expert-shapes-1836":  # the guard's refusal, in torch's per-rank report
+            assert (f"[rank{rank}]: megatron_patches.checkpointing.checkpoint_completeness_guard.IncompleteCheckpointError: "
+                    f"[megatron_patches] refusing to load {save}/iter_0000002") in run.log, \
+                run.log[-4000:]
+            assert f"{expected}: checkpoint global shape" in run.log
+            continue
+        mine = [e for e in errors if e.startswith(f"pretrain_moe: error: [rank {rank}]")]
+        assert mine, f"rank {rank} did not refuse:\n{run.log[-4000:]}"
+        assert str(save) in mine[0] and expected in mine[0], mine[0]
+    assert run.exit_codes == [1, 1], run.log[-3000:]  # each rank stopped by itself
+    print(f"\n[failsafe] damage {damage}: refused on both ranks in {seconds:.0f}s")

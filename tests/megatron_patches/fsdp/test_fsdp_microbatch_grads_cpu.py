@@ -1,0 +1,116 @@
+"""Megatron-FSDP keeps every micro-batch's weight gradients, checked on megatron-core 0.19.x
+through pretrain_moe.py (2 CPU ranks, gloo).
+
+Megatron-LM PR #6357 (merged after the 0.19 branch) found that Megatron-FSDP told Transformer
+Engine to overwrite `main_grad` under every sharding strategy; under `optim` that is the
+persistent, unsharded buffer gradients accumulate in, so with fused gradient accumulation only
+the last micro-batch's weight gradients survive. Fused accumulation needs TE on a GPU
+(test_fused_accumulation_keeps_every_micro_batch, skipped without CUDA). On CPU the launcher
+runs the unfused path, where the same buffers add up `param.grad` after each backward. On it
+megatron-core 0.19.2 loses nothing under `optim` and `no_shard`, but under `optim_grads` /
+`optim_grads_params` a gradient buffer whose data-parallel group has one rank (here the
+experts', EP2 on 2 ranks) is rescaled by 1/DP at every micro-batch (Megatron-LM #6660): the
+patch fsdp-one-rank-grad-scaling. Without it the `optim_grads_params` case fails, each expert
+gradient off by 0.2-0.3 of its norm (the first micro-batch's share halved), dense ones exact.
+
+Each case trains one iteration on the same 8 sequences: as 2 micro-batches of 2 per rank and as
+one micro-batch of 4 per rank. megatron's sampler gives rank 0 sequences 0,1,4,5 in the first
+run and 0-3 in the second, so the per-rank gradients differ and only their data-parallel
+reduction is the gradient of all 8: what is compared is what each rank's optimizer steps with
+(its shard after megatron's reduction; tests/_observed_launch.py). The dense weights are
+reduced over DP2, the expert weights (EP2) over their one-rank expert-DP group. The
+one-micro-batch run reduces optim/no_shard gradients once after the backward pass (megatron's
+default); the accumulating run reduces them in the backward hooks of the last micro-batch
+(--overlap-grad-reduce; optim_grads_params always reduces there, after every backward).
+
+* Same weights: megatron's JIT warmup draws tensors sized by --micro-batch-size from the
+  generator the CPU initialisation uses next, so the observer runs it on a forked generator
+  (WARMUP_KEEPS_SEED).
+* --moe-aux-loss-coeff 0: the load-balancing loss is computed per micro-batch from that
+  micro-batch's routing statistics, so it is not additive over micro-batches and its gradient
+  rightly differs between the two splits.
+* fp32 (no --bf16), which needs the CPU backend's bridge for Megatron-FSDP's PREMUL_SUM gradient
+  division: the two splits then differ only in summation order (two weight-gradient GEMMs over
+  128 tokens added in fp32 against one over 256), measured at most 4e-7 of each gradient's norm;
+  the tolerance is 1e-5. With --bf16 each micro-batch's gradient is rounded to bf16 (8 bits)
+  before it is accumulated: 4e-3 measured (`optim`), which would allow only ~1e-2. A lost
+  micro-batch moves a gradient by about half its norm or more (half the tokens' contribution),
+  so either would show it.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import TINY_MODEL, launch
+
+REPO = Path(__file__).resolve().parents[3]
+OBSERVED = REPO / "tests" / "_observed_launch.py"
+GLOBAL_BATCH = 8
+TOLERANCE = 1e-5  # of each gradient's norm; see the module docstring
+
+
+def reduced_grads(tmp_path: Path, tag: str, nproc: int, micro_batch: int, args: list[str],
+                  torchrun: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Per rank: parameter name -> the fp32 gradient megatron hands the optimizer at
+    iteration 1."""
+    flags = [a for a in TINY_MODEL if a != "--bf16"]
+    flags[flags.index("--micro-batch-size") + 1] = str(micro_batch)
+    flags[flags.index("--global-batch-size") + 1] = str(GLOBAL_BATCH)
+    flags[flags.index("--moe-aux-loss-coeff") + 1] = "0"
+    grad_dir = tmp_path / tag
+    grad_dir.mkdir()
+    log = launch(nproc, [*flags, "--use-megatron-fsdp", "--use-distributed-optimizer",
+                         "--ckpt-format", "fsdp_dtensor", "--train-iters", "1", *args],
+                 env={"GRAD_DIR": str(grad_dir), "GRAD_NAMES": ".", "WARMUP_KEEPS_SEED": "1"},
+                 script=OBSERVED, torchrun=torchrun, timeout=300).check().log
+    grads = [torch.load(grad_dir / f"grads_rank{rank}.pt") for rank in range(nproc)]
+    assert all(len(rank_grads) > 20 for rank_grads in grads), log[-3000:]
+    return grads
+
+
+def assert_same_gradients(accumulated, one_batch, what: str, tolerance: float) -> None:
+    for rank, (mine, reference) in enumerate(zip(accumulated, one_batch)):
+        assert mine.keys() == reference.keys()
+        for name, grad in reference.items():
+            if grad.numel() == 0:  # an empty shard on this rank
+                continue
+            error = (mine[name].double() - grad.double()).norm() / grad.double().norm()
+            assert error <= tolerance, (
+                f"rank {rank} {name}: {what} differs from one micro-batch of the same tokens "
+                f"by {error:.3g} of its norm (tolerance {tolerance:g})")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["optim", "no_shard", "optim_grads_params"])
+def test_micro_batches_accumulate_like_one_batch(strategy, tmp_path):
+    layout = ["--data-parallel-sharding-strategy", strategy,
+              "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    one_batch = reduced_grads(tmp_path, "one", 2, GLOBAL_BATCH // 2, layout)
+    accumulated = reduced_grads(tmp_path, "two", 2, GLOBAL_BATCH // 4,
+                                [*layout, "--overlap-grad-reduce"])
+    assert_same_gradients(accumulated, one_batch, "2 micro-batches", TOLERANCE)
+
+
+def _transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not _transformer_engine(), reason="needs Transformer Engine")
+@pytest.mark.parametrize("strategy", ["optim", "no_shard", "optim_grads_params"])
+def test_fused_accumulation_keeps_every_micro_batch(strategy, tmp_path):
+    """PR #6357's case, unverified so far: on one GPU the launcher picks TE layers with fused
+    gradient accumulation (megatron's default), so TE writes weight gradients into `main_grad`
+    itself. One rank, so 4 micro-batches of 2 against one of 8. fp32 like the CPU test; GPU
+    GEMMs of other shapes may sum in another order, hence a looser tolerance (1e-4)."""
+    layout = ["--data-parallel-sharding-strategy", strategy]
+    one_batch = reduced_grads(tmp_path, "one", 1, GLOBAL_BATCH, layout, torchrun=True)
+    accumulated = reduced_grads(tmp_path, "four", 1, GLOBAL_BATCH // 4, layout, torchrun=True)
+    assert_same_gradients(accumulated, one_batch, "4 micro-batches (fused accumulation)", 1e-4)

@@ -1,0 +1,80 @@
+"""Expert-load metrics (patch expert-load-metrics, Megatron-LM issue #2398) equal a direct count
+of the routing decisions of a real megatron GPT: tokens per expert (min/max/mean/cv), experts
+with no token and tokens dropped by the capacity factor, per layer; the summary line and the
+per-layer TensorBoard scalars carry them; the counts restart after each report."""
+
+import math
+import types
+
+import pytest
+import torch
+
+import _megatron_cpu as cpu
+from _launch import tensorboard_scalars
+
+BATCH, SEQ, EXPERTS, TOPK = 2, 64, 8, 2
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_expert_load_equals_a_direct_count(capacity_factor, tmp_path):
+    from megatron.core.transformer.moe.router import TopKRouter
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_patches import registry
+    from megatron_patches.moe import expert_load_metrics
+
+    registry.load_patches()
+    registry.apply_patches(registry.current_context(cpu_backend=True))
+    config = cpu.tiny_config(num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+                             moe_expert_capacity_factor=capacity_factor,
+                             moe_token_drop_policy="probs")
+    torch.manual_seed(0)
+    model = cpu.build_gpt(config, SEQ)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    routed = {r.layer_number: torch.zeros(EXPERTS, dtype=torch.int64) for r in routers}
+
+    def count(router, inputs, outputs):
+        if torch.is_grad_enabled():
+            routed[router.layer_number] += outputs[1].sum(dim=0)
+
+    for router in routers:
+        router.register_forward_hook(count)
+    expert_load_metrics.interval_loads(config.num_layers, EXPERTS)  # earlier tests' counts
+    for _ in range(2):
+        cpu.train_step_loss(model, BATCH, SEQ).backward()
+    with torch.no_grad():
+        cpu.train_step_loss(model, BATCH, SEQ)  # evaluation-like: not counted
+
+    args = types.SimpleNamespace(num_layers=config.num_layers, mtp_num_layers=None,
+                                 num_experts=EXPERTS)
+    lines = []
+    writer = SummaryWriter(str(tmp_path))
+    loads = expert_load_metrics.interval_loads(config.num_layers, EXPERTS)
+    assert [load.layer for load in loads] == [1, 2]
+    for load in loads:
+        direct = routed[load.layer].tolist()
+        assert list(load.tokens_per_expert) == direct
+        mean = sum(direct) / EXPERTS
+        assert load.mean == mean and min(direct) == load.scalars()["tokens_min"]
+        std = math.sqrt(sum((n - mean) ** 2 for n in direct) / EXPERTS)
+        assert load.cv == pytest.approx(std / mean)
+        assert load.idle_experts == direct.count(0)
+        assigned_before_drops = 2 * BATCH * SEQ * TOPK
+        assert load.dropped == assigned_before_drops - sum(direct)
+        if capacity_factor is not None:
+            assert load.dropped > 0
+    expert_load_metrics.write_scalars(loads, 7, writer, None)
+    writer.flush()
+    assert tensorboard_scalars(tmp_path, "expert_load/tokens_max/layer_2") == {
+        7: max(routed[2].tolist())}
+    assert tensorboard_scalars(tmp_path, "expert_load/dropped_tokens/layer_1") == {
+        7: loads[0].dropped}
+
+    line = expert_load_metrics.summary_line(7, loads)
+    every = [n for counts in routed.values() for n in counts.tolist()]
+    assert f"tokens/expert min {min(every)} max {max(every)} " in line
+    assert f"experts with no token {every.count(0)} |" in line
+    assert f"dropped tokens {sum(load.dropped for load in loads)} " in line
+
+    expert_load_metrics.report(8, args, None, None, lines.append)
+    assert lines == []  # nothing routed since the last report

@@ -1,0 +1,125 @@
+"""Bad flags and environment: the real launcher refuses before megatron validates or builds
+anything -- one line naming the flag and the fix, printed once, exit status 2, no traceback,
+nothing written to --save.
+
+Each case runs pretrain_moe.py on every rank of its world (every rank exits with status 2, rank
+0 prints the line); one case goes through torchrun with two ranks, as users start it, to show
+the job stops and the message is printed once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from _launch import REPO, TINY_MODEL, launch
+
+
+def without(flags: list[str], flag: str, values: int = 0) -> list[str]:
+    i = flags.index(flag)
+    return flags[:i] + flags[i + 1 + values:]
+
+
+BASE = [*TINY_MODEL, "--train-iters", "2"]
+# name: (world size, flags, flag the refusal must name)
+CASES = {
+    "tp-does-not-divide-world": (4, ["--tensor-model-parallel-size", "3"],
+                                 "--tensor-model-parallel-size"),
+    "pp-larger-than-world": (2, ["--pipeline-model-parallel-size", "4"],
+                             "--pipeline-model-parallel-size"),
+    "ep-x-etp-exceeds-stage": (4, ["--expert-model-parallel-size", "4",
+                                   "--expert-tensor-parallel-size", "2"],
+                               "--expert-model-parallel-size"),
+    "ep-x-pp-exceeds-world": (4, ["--pipeline-model-parallel-size", "2",
+                                  "--expert-model-parallel-size", "4"],
+                              "--expert-model-parallel-size"),
+    "experts-not-divisible-by-ep": (3, ["--expert-model-parallel-size", "3"],
+                                    "--expert-model-parallel-size"),
+    "etp-does-not-divide-moe-ffn": (2, ["--expert-tensor-parallel-size", "2",
+                                        "--moe-ffn-hidden-size", "65"],
+                                    "--expert-tensor-parallel-size"),
+    "ep-without-experts": (2, [*without(BASE, "--num-experts", 1), "--expert-model-parallel-size",
+                               "2"], "--expert-model-parallel-size"),
+    "pipeline-first-stage-takes-all-layers": (2, ["--pipeline-model-parallel-size", "2",
+                                                  "--decoder-first-pipeline-num-layers", "2"],
+                                              "--decoder-first-pipeline-num-layers"),
+    "global-batch-not-divisible": (3, ["--global-batch-size", "8"], "--global-batch-size"),
+    "data-path-missing": (1, [*without(BASE, "--mock-data"), "--data-path", "/nonexistent/corpus"],
+                          "--data-path"),
+    "transformer-engine-missing": (1, ["--transformer-impl", "transformer_engine"],
+                                   "--transformer-impl"),
+    "megatron-fsdp-with-torch-dist": (1, ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
+                                      "--ckpt-format"),
+    "save-without-save-interval": (1, [], "--save-interval"),
+    "router-top-k-zero": (1, ["--moe-router-topk", "0"], "--moe-router-topk"),
+    "micro-batch-size-zero": (1, ["--micro-batch-size", "0"], "--micro-batch-size"),
+    "train-iters-zero": (1, ["--train-iters", "0"], "--train-iters"),
+    "layernorm-1p-on-the-local-spec": (1, ["--apply-layernorm-1p"], "--apply-layernorm-1p"),
+    "load-is-a-file": (1, ["--load", "/etc/hostname"], "--load"),
+    "load-holds-no-checkpoint": (1, ["--load", str(REPO / "examples")], "--load"),
+    # megatron-core 0.19.2 would build the pattern's 3 layers and drop --num-layers silently.
+    "hybrid-pattern-length-differs-from-num-layers": (1, ["--hybrid-layer-pattern", "*E*"],
+                                                      "--num-layers"),
+    # On CPU the local spec: its attention asserts context_parallel_size == 1 at model build.
+    "context-parallel-without-transformer-engine": (2, ["--context-parallel-size", "2"],
+                                                    "--context-parallel-size"),
+    # The local HybridModel spec builds attention, dense MLP and MoE layers only.
+    "hybrid-family-without-transformer-engine": (1, ["--hybrid-layer-pattern", "*M*E"],
+                                                 "--hybrid-layer-pattern"),
+}
+# Counted in the report: every case is a bad input that must be refused.
+BAD_INPUTS_TRIED = len(CASES) + 2  # + the unsupported megatron-core install + the torchrun case
+
+
+def assert_refused(run, world: int, flag: str, save_dir, seconds: float) -> None:
+    output = run.log
+    errors = [line for line in output.splitlines() if line.startswith("pretrain_moe: error:")]
+    assert run.exit_codes == [2] * world, f"exit codes {run.exit_codes}:\n{output[-3000:]}"
+    assert len(errors) == 1, f"expected one refusal line, got {errors}:\n{output[-3000:]}"
+    assert flag in errors[0] and "fix" in errors[0].lower(), errors[0]
+    assert "Traceback" not in output, output[-3000:]
+    assert "building GPT model" not in output and "initializing torch distributed" not in output
+    assert not os.path.exists(save_dir), f"{save_dir} was written"
+    assert seconds < 120, f"took {seconds:.0f}s"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path):
+    world, flags, flag = CASES[case]
+    flags = flags if flags and flags[0] == BASE[0] else [*BASE, *flags]
+    save = tmp_path / "ckpt"
+    if case != "save-without-save-interval":
+        flags = [*flags, "--save-interval", "1"]
+    started = time.monotonic()
+    run = launch(world, [*flags, "--save", str(save), "--eval-interval", "1000"], timeout=180)
+    assert_refused(run, world, flag, save, time.monotonic() - started)
+
+
+def test_unsupported_megatron_core_is_refused_with_status_2(tmp_path):
+    dist_info = tmp_path / "site" / "megatron_core-0.18.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\n"
+                                        "Version: 0.18.0\n")
+    started = time.monotonic()
+    run = launch(1, [*BASE, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"],
+                 env={"PYTHONPATH": f"{tmp_path / 'site'}:{REPO}"}, timeout=180)
+    assert_refused(run, 1, "megatron-core 0.18.0", tmp_path / "ckpt", time.monotonic() - started)
+    assert "MCORE=legacy bash scripts/setup.sh" in run.log
+
+
+def test_every_rank_stops_and_one_rank_explains(tmp_path):
+    save = tmp_path / "ckpt"
+    started = time.monotonic()
+    run = launch(2, [*BASE, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                     "2", "--save", str(save), "--save-interval", "1", "--eval-interval", "1000"],
+                 timeout=180, torchrun=True)  # as users start it: torchrun stops the job early
+    errors = [line for line in run.log.splitlines() if line.startswith("pretrain_moe: error:")]
+    assert run.returncode != 0
+    assert len(errors) == 1 and "--expert-model-parallel-size" in errors[0], errors
+    # torchrun's report: the root cause is a rank that exited with the preflight status.
+    assert "exitcode  : 2" in run.log, run.log[-3000:]
+    assert 'pretrain_moe.py", line' not in run.log  # no traceback from the launcher itself
+    assert not save.exists()
+    assert time.monotonic() - started < 150
