@@ -23,6 +23,12 @@ RUN pip install --no-deps "$(grep '^megatron-core==' requirements.lock)" \
  && pip install $(grep -E '^(einops|wandb)==' requirements.lock) \
  && python -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
 
+# megatron's HuggingFaceTokenizer (--tokenizer-type HuggingFaceTokenizer) and
+# `python -m moe_launcher.prepare_data`: transformers, tokenizers, pyarrow, tqdm and what they
+# need, each at the lock's version; --no-deps so that numpy and torch stay the image's.
+RUN pip install --no-deps $(grep -E '^(transformers|tokenizers|huggingface_hub|hf-xet|safetensors|regex|tqdm|pyarrow|typer|rich|shellingham|annotated-doc|markdown-it-py|mdurl|httpx2|httpcore2|truststore)==' requirements.lock) \
+ && python -c "import pyarrow, tokenizers, tqdm, transformers; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
+
 # The project itself (pretrain_moe.py, megatron_patches, examples), installed editable so a
 # checkout mounted over /workspace/moe is what runs.
 COPY . .

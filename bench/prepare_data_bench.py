@@ -61,7 +61,7 @@ def build_tokenizer(corpus: Path, folder: Path) -> None:
                             eos_token="<|endoftext|>").save_pretrained(folder)
 
 
-def plain_loop(corpus: Path, tokenizer: Path, seconds: float = 60) -> float:
+def plain_loop(corpus: Path, tokenizer: Path, seconds: float = 30) -> float:
     """tokens/s of megatron's tokenize(text), one document at a time, in a fresh process (the
     same tokenizer object prepare_data loads), over the corpus's first documents; only the
     tokenize calls are timed."""
@@ -142,6 +142,8 @@ def main() -> None:
         print(f"tokens/s at 1 worker: {a:,.0f}, at {n} workers: {b:,.0f}, scaling {b / a / n:.2f}")
         print(f"per worker vs the plain loop: at 1 worker x{a / plain:.2f}, "
               f"at {n} workers x{b / n / plain:.2f}")
+        print("load average (1, 5, 15 min) at the end: %.1f %.1f %.1f (another load on the "
+              "machine skews the scaling)" % os.getloadavg())
         print(f"peak RSS (PSS of parent + workers): 1 worker {one['pss']:.0f} MiB, {n} workers "
               f"{many['pss']:.0f} MiB; {n} workers on a quarter of the corpus "
               f"{small['pss']:.0f} MiB")

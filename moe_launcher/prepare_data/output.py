@@ -1,0 +1,108 @@
+"""The output datasets, written under temporary names beside the final ones and renamed into
+place only when complete.
+
+megatron takes a dataset to be there when both PREFIX.bin and PREFIX.idx exist. Partial files
+are PREFIX.bin.partial and PREFIX.idx.partial (a killed run leaves only those; the next run
+truncates them), and the commit renames the .bin first and the .idx last, after removing an
+old .idx: at no point do a .bin and an .idx of different runs sit side by side."""
+
+from __future__ import annotations
+
+import os
+
+import numpy
+
+from .errors import PrepareError
+
+PARTIAL = ".partial"
+
+
+def dataset_prefixes(output_prefix: str, keys: tuple[str, ...]) -> list[str]:
+    """megatron's naming: one PREFIX_<key>_document dataset per key (its --data-path value)."""
+    return [f"{output_prefix}_{key}_document" for key in keys]
+
+
+def check_output(output_prefix: str, keys: tuple[str, ...], overwrite: bool) -> None:
+    directory = os.path.dirname(output_prefix) or "."
+    if not os.path.isdir(directory):
+        raise PrepareError(f"output directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise PrepareError(f"output directory {directory} is not writable")
+    if overwrite:
+        return
+    for prefix in dataset_prefixes(output_prefix, keys):
+        existing = [prefix + ext for ext in (".bin", ".idx") if os.path.exists(prefix + ext)]
+        if existing:
+            raise PrepareError(f"{existing[0]} already exists (--overwrite replaces it)")
+
+
+class DatasetWriter:
+    """One key's dataset, through megatron's IndexedDatasetBuilder."""
+
+    def __init__(self, prefix: str, dtype: type):
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        self.prefix = prefix
+        self.builder = IndexedDatasetBuilder(prefix + ".bin" + PARTIAL, dtype=dtype)
+
+    def add(self, tokens: numpy.ndarray, lengths: numpy.ndarray) -> None:
+        """Documents of a chunk: `tokens` concatenated, lengths[i] of them the i-th's."""
+        ends = numpy.cumsum(lengths)
+        for start, end in zip(ends - lengths, ends):
+            # A numpy slice, not a tensor: add_document converts with numpy.array(), which
+            # copies either way, and warns (numpy 2) for every tensor.
+            self.builder.add_document(tokens[start:end], [int(end - start)])
+
+    def finish(self) -> None:
+        """Writes the index and makes both files durable, still under their partial names."""
+        self.builder.finalize(self.prefix + ".idx" + PARTIAL)
+        for ext in (".bin", ".idx"):
+            _fsync(self.prefix + ext + PARTIAL)
+
+    def commit(self) -> None:
+        if os.path.exists(self.prefix + ".idx"):
+            os.unlink(self.prefix + ".idx")
+        os.replace(self.prefix + ".bin" + PARTIAL, self.prefix + ".bin")
+        os.replace(self.prefix + ".idx" + PARTIAL, self.prefix + ".idx")
+        _fsync(os.path.dirname(self.prefix) or ".")
+
+    def discard(self) -> None:
+        self.builder.data_file.close()
+        for ext in (".bin", ".idx"):
+            if os.path.exists(self.prefix + ext + PARTIAL):
+                os.unlink(self.prefix + ext + PARTIAL)
+
+
+class OutputSet:
+    """All keys' datasets: finished together, committed together, or all discarded."""
+
+    def __init__(self, output_prefix: str, keys: tuple[str, ...], dtype: type):
+        self.writers: dict[str, DatasetWriter] = {}
+        try:
+            for key, prefix in zip(keys, dataset_prefixes(output_prefix, keys)):
+                self.writers[key] = DatasetWriter(prefix, dtype)
+        except OSError as err:
+            self.discard()
+            raise PrepareError(f"cannot write {err.filename}: {err.strerror}") from None
+
+    def add(self, tokens: dict, lengths: dict) -> None:
+        for key, writer in self.writers.items():
+            writer.add(tokens[key], lengths[key])
+
+    def commit(self) -> None:
+        for writer in self.writers.values():
+            writer.finish()
+        for writer in self.writers.values():
+            writer.commit()
+
+    def discard(self) -> None:
+        for writer in self.writers.values():
+            writer.discard()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

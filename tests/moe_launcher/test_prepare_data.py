@@ -1,0 +1,388 @@
+"""python -m moe_launcher.prepare_data: real files in, megatron's IndexedDataset read back out.
+
+The tokenizer is a byte-level BPE trained here with `tokenizers` and saved as a Hugging Face
+folder (tokenizer.json + tokenizer_config.json); it adds a BOS token, so "special tokens as
+training adds them" is checked too. Runs that need no separate process (their subject is not
+the process) call the CLI's main() in this process, where megatron is already imported."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import gzip
+import io
+import json
+import os
+import pty
+import random
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+import numpy
+import psutil
+import pytest
+
+from _launch import REPO, TINY_MODEL, launch, tensorboard_scalars
+from moe_launcher.prepare_data.cli import main
+
+# The in-process runs fork from pytest's process, which has pyarrow's allocator thread once the
+# corpus's Parquet file is written or read: Python's warning about that is this process's, not
+# the command's (which is checked to fork with no thread, in `prepared`).
+pytestmark = pytest.mark.filterwarnings("ignore:This process:DeprecationWarning")
+
+WORDS = ("the of and to in is was for on that with as by at from expert router token layer "
+         "gradient Ünïcödé naïve façade 中文 数据 emoji🙂 tab\there line\nbreak").split(" ")
+EOS, BOS = "<|endoftext|>", "<|begin|>"
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def _build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(1)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # Trained serially: a parallel trainer leaves tokenizers' thread pool in this process, and
+    # the in-process runs below fork.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
+        tokenizer.train_from_iterator(
+            (_text(rng, 50) for _ in range(400)),
+            trainers.BpeTrainer(vocab_size=600, special_tokens=[EOS, BOS],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=BOS,
+                            model_max_length=64).save_pretrained(folder)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(folder))
+
+
+@dataclasses.dataclass
+class Corpus:
+    root: Path
+    tokenizer: Path
+    inputs: list[str]       # --input values, a glob among them
+    texts: list[str]        # the documents expected, in order
+    bad_line: str           # where the first malformed line is: FILE:LINE
+
+
+# What the corpus's bad records are counted as (the summary's wording).
+SKIPPED = "10 skipped (empty: 3, malformed JSON: 2, missing key: 2, non-UTF-8: 2, not text: 1)"
+
+
+def _write_corpus(root: Path) -> Corpus:
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    texts = []
+
+    def documents(count):
+        batch = [_text(rng, rng.randint(1, 150)) for _ in range(count)]
+        texts.extend(batch)
+        return [json.dumps({"id": len(texts), "text": text}).encode() for text in batch]
+
+    plain = root / "a.jsonl"
+    head = documents(120)
+    bad = [b'{"text": ""}', b'{"id": 7}', b'{"text": "caf\xe9"}', b'{"text": "\\ud800 lone"}',
+           b"   ", b'{"text": "cut off', b'{"text": 5}', b"[1, 2]"]
+    plain.write_bytes(b"\n".join(head + bad + documents(130)) + b"\n")
+    for part in range(2):
+        with gzip.open(root / f"part-{part}.jsonl.gz", "wb") as f:
+            f.write(b"\n".join(documents(150)))  # no newline after the last line
+    rows = documents(140)
+    column = [json.loads(row)["text"] for row in rows]
+    pq.write_table(pyarrow.table({"text": column[:70] + [None, ""] + column[70:],
+                                  "id": list(range(142))}),
+                   root / "c.parquet", row_group_size=50)
+    tokenizer = root / "tokenizer"
+    _build_tokenizer(tokenizer)
+    return Corpus(root, tokenizer, [str(plain), str(root / "part-*.jsonl.gz"),
+                                    str(root / "c.parquet")], texts,
+                  bad_line=f"{plain}:{len(head) + 6}")
+
+
+def _cli(*args: str, python_flags=(), timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *python_flags, "-m", "moe_launcher.prepare_data",
+                           *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _in_process(*args: str) -> tuple[int, str, str]:
+    """main(args) here; its exit status, stdout and stderr. Environment it sets is undone."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"):
+            env.setenv(name, os.environ.get(name, ""))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _files(prefix: str) -> list[str]:
+    folder, name = os.path.split(prefix)
+    return sorted(entry for entry in os.listdir(folder) if entry.startswith(name))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Corpus:
+    return _write_corpus(tmp_path_factory.mktemp("prepare_data"))
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus):
+    """The corpus prepared by 1 worker (here) and by 2 (the real command, replacing an old
+    output, with a progress line per chunk); small chunks so there are many."""
+    common = ["--tokenizer", str(corpus.tokenizer), "--append-eod", "--skip-bad-lines",
+              "--chunk-bytes", "4096", "--input", *corpus.inputs]
+    one = str(corpus.root / "one")
+    code, out, err = _in_process(*common, "--output-prefix", one, "--workers", "1")
+    assert code == 0, err
+    two = str(corpus.root / "two")
+    for ext in (".bin", ".idx"):
+        Path(two + "_text_document" + ext).write_bytes(b"an older output")
+    # Python warns (on stderr, checked below) when a process with threads forks: the command
+    # forks its workers before it has any.
+    run = _cli(*common, "--output-prefix", two, "--workers", "2", "--overwrite",
+               "--log-interval", "0.001",
+               python_flags=["-W", "always:This process:DeprecationWarning"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {"one": one, "one_out": out, "two": two, "two_run": run}
+
+
+def test_tokens_and_document_boundaries_match_the_tokenizer(corpus, prepared):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.tokenizers import MegatronTokenizer
+    from tokenizers import Tokenizer
+
+    # The tokenizer as a training run's --tokenizer-type HuggingFaceTokenizer loads it, and
+    # the bare tokenizers library on the same tokenizer.json.
+    megatron = MegatronTokenizer.from_pretrained(tokenizer_path=str(corpus.tokenizer),
+                                                 metadata_path={"library": "huggingface"})
+    bare = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json"))
+    eod = bare.token_to_id(EOS)
+    assert megatron.eod == eod
+
+    dataset = IndexedDataset(prepared["one"] + "_text_document")
+    assert dataset.index.dtype == numpy.uint16  # megatron's choice for a 600-token vocabulary
+    assert len(dataset) == len(corpus.texts)
+    assert dataset.document_indices.tolist() == list(range(len(corpus.texts) + 1))
+    for i, text in enumerate(corpus.texts):
+        expected = megatron.tokenize(text) + [eod]
+        assert dataset[i].tolist() == expected, f"document {i}: {text!r}"
+        assert bare.encode(text).ids + [eod] == expected
+    tokens = sum(len(dataset[i]) for i in range(len(dataset)))
+    assert (f"prepare_data: done: {len(corpus.texts)} documents, {tokens} tokens, {SKIPPED}"
+            in prepared["one_out"])
+
+
+def test_one_and_two_workers_write_the_same_bytes(prepared):
+    for ext in (".bin", ".idx"):
+        one = Path(prepared["one"] + "_text_document" + ext).read_bytes()
+        assert Path(prepared["two"] + "_text_document" + ext).read_bytes() == one
+    assert _files(prepared["two"]) == ["two_text_document.bin", "two_text_document.idx"]
+    run = prepared["two_run"]
+    assert SKIPPED in run.stdout
+    progress = [line for line in run.stderr.splitlines() if line.startswith("prepare_data: ")]
+    assert progress and all("docs/s" in line and "tokens/s" in line and "ETA" in line
+                            for line in progress), run.stderr[-3000:]
+    # Importing megatron on CPU warns; a run says only what it has to.
+    assert len(progress) == len(run.stderr.splitlines()), run.stderr[-3000:]
+
+
+def test_rerun_over_a_complete_output_refuses(corpus, prepared):
+    before = Path(prepared["one"] + "_text_document.bin").read_bytes()
+    run = _cli("--input", *corpus.inputs, "--tokenizer", str(corpus.tokenizer),
+               "--output-prefix", prepared["one"])
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        f"prepare_data: error: {prepared['one']}_text_document.bin already exists "
+        "(--overwrite replaces it)"]
+    assert Path(prepared["one"] + "_text_document.bin").read_bytes() == before
+
+
+@pytest.mark.parametrize("case", ["missing input", "no glob match", "directory input",
+                                  "unknown format", "missing tokenizer", "no output folder"])
+def test_refusals_before_reading(corpus, case, tmp_path):
+    """Checked before megatron is even imported: one line, exit 2, nothing written."""
+    inputs, tokenizer, prefix = corpus.inputs, str(corpus.tokenizer), str(tmp_path / "out")
+    expected = {
+        "missing input": f"input file {tmp_path}/gone.jsonl does not exist",
+        "no glob match": f"no file matches --input {tmp_path}/*.jsonl",
+        "directory input": f"input {tmp_path} is not a file",
+        "unknown format": f"input {tmp_path}/notes.txt: unknown format (expected .jsonl, "
+                          ".jsonl.gz or .parquet)",
+        "missing tokenizer": f"tokenizer folder {tmp_path}/no-tokenizer does not exist",
+        "no output folder": f"output directory {tmp_path}/nowhere does not exist",
+    }[case]
+    if case == "missing input":
+        inputs = [*inputs, str(tmp_path / "gone.jsonl")]
+    elif case == "no glob match":
+        inputs = [str(tmp_path / "*.jsonl")]
+    elif case == "directory input":
+        inputs = [str(tmp_path)]
+    elif case == "unknown format":
+        (tmp_path / "notes.txt").write_text("{}\n")
+        inputs = [str(tmp_path / "notes.txt")]
+    elif case == "missing tokenizer":
+        tokenizer = str(tmp_path / "no-tokenizer")
+    else:
+        prefix = str(tmp_path / "nowhere" / "out")
+    before = sorted(os.listdir(tmp_path))
+    run = _cli("--input", *inputs, "--tokenizer", tokenizer, "--output-prefix", prefix)
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", f"prepare_data: error: {expected}\n")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("case", ["malformed line", "damaged gzip", "nothing to write",
+                                  "broken tokenizer"])
+def test_refusals_while_reading(corpus, case, tmp_path):
+    """Found once megatron is loaded or tokenizing has begun: the partial output goes too."""
+    inputs, tokenizer = corpus.inputs, str(corpus.tokenizer)
+    if case == "broken tokenizer":
+        (tmp_path / "tokenizer").mkdir()
+        (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+        tokenizer = str(tmp_path / "tokenizer")
+    elif case == "damaged gzip":
+        whole = (corpus.root / "part-0.jsonl.gz").read_bytes()
+        (tmp_path / "damaged.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+        inputs = [str(tmp_path / "damaged.jsonl.gz")]
+    elif case == "nothing to write":
+        (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"title": "x"}\n')
+        inputs = [str(tmp_path / "empty.jsonl")]
+    prefix = str(tmp_path / "out")
+    code, out, err = _in_process("--input", *inputs, "--tokenizer", tokenizer,
+                                 "--output-prefix", prefix, "--workers", "2",
+                                 "--chunk-bytes", "4096")
+    expected = {
+        "malformed line": f"{corpus.bad_line}: malformed JSON line: Unterminated string "
+                          "starting at (column 10); --skip-bad-lines skips such lines",
+        "damaged gzip": f"cannot read input {tmp_path}/damaged.jsonl.gz: Compressed file "
+                        "ended before the end-of-stream marker was reached",
+        "nothing to write": "no document to write (0 documents, 0 tokens, 2 skipped (empty: 1, "
+                            "missing key: 1)",
+        "broken tokenizer": f"cannot load the tokenizer in {tokenizer}: ",
+    }[case]
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"prepare_data: error: {expected}"), err
+    assert _files(prefix) == []
+
+
+def test_several_keys_keep_records_aligned(corpus, tmp_path):
+    """One dataset per key; a record missing one key is left out of all of them."""
+    from tokenizers import Tokenizer
+
+    records = [{"title": "a title", "text": "its text"}, {"text": "no title"},
+               {"title": "second", "text": "more text here"}]
+    (tmp_path / "keys.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    prefix = str(tmp_path / "keys")
+    code, out, err = _in_process("--input", str(tmp_path / "keys.jsonl"), "--tokenizer",
+                                 str(corpus.tokenizer), "--output-prefix", prefix,
+                                 "--json-keys", "text", "title")
+    assert code == 0, err
+    assert "2 documents" in out and "1 skipped (missing key: 1)" in out
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    bare = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json"))
+    for key in ("text", "title"):
+        dataset = IndexedDataset(f"{prefix}_{key}_document")
+        assert [dataset[i].tolist() for i in range(len(dataset))] == [
+            bare.encode(records[i][key]).ids for i in (0, 2)]
+
+
+def test_killed_run_leaves_no_complete_output(corpus, tmp_path):
+    """SIGKILL mid-run (as the OOM killer would): only partial files remain, the workers die
+    with the run, and the next run replaces the partial files without being told to."""
+    rng = random.Random(2)
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        for _ in range(30000):
+            f.write(json.dumps({"text": _text(rng, 60)}) + "\n")
+    prefix = str(tmp_path / "killed")
+    partial = Path(prefix + "_text_document.bin.partial")
+    # stderr on a terminal (of a terminal's size; a new pty has none): the tqdm bar.
+    terminal, terminal_end = pty.openpty()
+    fcntl.ioctl(terminal_end, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_launcher.prepare_data", "--input", str(big), "--tokenizer",
+         str(corpus.tokenizer), "--output-prefix", prefix, "--workers", "2",
+         "--chunk-bytes", "65536"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+        stderr=terminal_end, start_new_session=True)
+    os.close(terminal_end)
+    shown = []
+    reader = threading.Thread(target=lambda: _drain(terminal, shown), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (partial.exists() and partial.stat().st_size > 200_000):
+            assert proc.poll() is None and time.monotonic() < deadline, b"".join(shown)[-2000:]
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, "workers outlived the killed run"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    reader.join(10)
+    assert _files(prefix) == ["killed_text_document.bin.partial"]
+    bar = b"".join(shown).decode(errors="replace")
+    assert "docs/s" in bar and "tokens/s" in bar and "<" in bar, bar[-2000:]  # ETA: elapsed<left
+
+    code, out, err = _in_process("--input", corpus.inputs[0], "--tokenizer",
+                                 str(corpus.tokenizer), "--output-prefix", prefix,
+                                 "--skip-bad-lines")
+    assert code == 0, err
+    assert _files(prefix) == ["killed_text_document.bin", "killed_text_document.idx"]
+
+
+def _drain(fd: int, into: list[bytes]) -> None:
+    with contextlib.suppress(OSError):  # EIO once the terminal's other end is closed
+        while chunk := os.read(fd, 65536):
+            into.append(chunk)
+    os.close(fd)
+
+
+def _without(args: list[str], flags: set[str], valued: set[str]) -> list[str]:
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in valued:
+            skip = True
+        elif arg not in flags:
+            kept.append(arg)
+    return kept
+
+
+def test_trains_on_the_prepared_data(corpus, prepared, tmp_path):
+    """The output, named as train.sh names it (DATA_PATH, TOKENIZER_MODEL), trains 2 ranks."""
+    from tokenizers import Tokenizer
+
+    model = _without(TINY_MODEL, {"--mock-data"}, {"--tokenizer-type", "--vocab-size"})
+    # The launcher's preflight builds megatron's model config before the tokenizer exists, so
+    # it needs the vocabulary size on the command line.
+    vocab = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
+    launch(2, [*model, "--data-path", prepared["one"] + "_text_document",
+               "--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", str(vocab),
+               "--tokenizer-model", str(corpus.tokenizer), "--split", "98,2,0",
+               "--data-cache-path", str(tmp_path / "cache"), "--expert-model-parallel-size", "2",
+               "--train-iters", "3", "--tensorboard-dir", str(tmp_path / "tb")]).check()
+    assert sorted(tensorboard_scalars(tmp_path / "tb", "lm loss")) == [1, 2, 3]
