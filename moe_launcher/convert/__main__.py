@@ -1,0 +1,67 @@
+"""python -m moe_launcher.convert {import-hf,export-hf} ...; a refusal is one line, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from .errors import EXIT_STATUS, ConvertError
+
+_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def shard_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]I?B)?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1000000")
+    return int(match.group(1)) * _UNITS[match.group(2) or ""]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other refusal (argparse adds the usage)
+        raise ConvertError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="python -m moe_launcher.convert",
+                  description="Hugging Face MoE models <-> the launcher's torch_dist checkpoints")
+    commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    imp = commands.add_parser("import-hf", help="a HF folder -> a torch_dist checkpoint and "
+                                                "OUT_DIR/model_flags.txt")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out_dir")
+    exp = commands.add_parser("export-hf", help="a torch_dist checkpoint -> a HF folder")
+    exp.add_argument("ckpt_dir")
+    exp.add_argument("out_dir")
+    exp.add_argument("--iteration", type=int, help="default: the tracker's iteration")
+    exp.add_argument("--tokenizer", help="a folder whose tokenizer files are copied")
+    exp.add_argument("--max-shard-size", type=shard_bytes, default="5GB",
+                     help="largest safetensors shard (default 5GB)")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Local folders only: transformers never asks the Hub for anything here.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        options = parser().parse_args(argv)
+        if options.command == "import-hf":
+            from .import_hf import import_hf
+
+            import_hf(options.hf_dir, options.out_dir)
+        else:
+            from .export_hf import export_hf
+
+            export_hf(options.ckpt_dir, options.out_dir, options.iteration, options.tokenizer,
+                      options.max_shard_size)
+    except ConvertError as error:
+        print(error.line(), file=sys.stderr, flush=True)
+        return EXIT_STATUS
+    print(f"convert: {options.command} wrote {os.path.abspath(options.out_dir)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""A Hugging Face MoE config as Megatron-LM flags, and the saved megatron args as a Hugging Face
+config: what every family shares (GQA attention, RMSNorm, rope, SwiGLU experts, a softmax
+router, the vocabulary). Keys megatron cannot express are refused by name, never dropped.
+"""
+
+from __future__ import annotations
+
+from .errors import ConvertError
+from .families import Family, refuse_if
+
+DTYPE_FLAGS = {"float32": [], "bfloat16": ["--bf16"], "float16": ["--fp16"]}
+# megatron's default --make-vocab-size-divisible-by: the TP1 padding every layout loads from
+# (a larger TP pads more, and megatron reads the saved rows and zero-fills the rest).
+VOCAB_DIVISOR = 128
+
+
+def _dtype_name(config) -> str:
+    dtype = getattr(config, "dtype", None) or "float32"
+    return str(dtype).removeprefix("torch.")
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rope_flags(config) -> list[str]:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    refuse_if(kind != "default", "rope_parameters.rope_type (rope_scaling)", kind,
+              "megatron's rope here is plain rope (--use-rope-scaling is llama3's only)")
+    fraction = rope.get("partial_rotary_factor", 1.0)
+    refuse_if(fraction != 1.0, "partial_rotary_factor", fraction,
+              "partial rotary embeddings are not mapped yet")
+    theta = rope.get("rope_theta", 10000.0)
+    # megatron's --rotary-base is an integer.
+    refuse_if(theta != int(theta), "rope_theta", theta, "megatron's --rotary-base is an integer")
+    return ["--position-embedding-type", "rope", "--rotary-base", str(int(theta))]
+
+
+def megatron_flags(family: Family, config) -> list[str]:
+    """The flags that make pretrain_moe.py build this config's architecture."""
+    refuse_if(config.hidden_act != "silu", "hidden_act", config.hidden_act,
+              "the launcher's experts are SwiGLU (--swiglu)")
+    refuse_if(bool(getattr(config, "attention_bias", False)), "attention_bias", True,
+              "megatron's --add-qkv-bias has no bias on the output projection")
+    dtype = _dtype_name(config)
+    if dtype not in DTYPE_FLAGS:
+        raise ConvertError(f"config.json sets dtype={dtype!r}: only {sorted(DTYPE_FLAGS)} map "
+                           "to megatron's precision flags")
+    heads, groups = config.num_attention_heads, config.num_key_value_heads
+    flags = ["--num-layers", str(config.num_hidden_layers),
+             "--hidden-size", str(config.hidden_size),
+             "--num-attention-heads", str(heads), "--kv-channels", str(head_dim(config))]
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(groups)]
+    flags += ["--max-position-embeddings", str(config.max_position_embeddings),
+              *_rope_flags(config),
+              "--normalization", "RMSNorm", "--norm-epsilon", repr(config.rms_norm_eps),
+              "--swiglu", "--disable-bias-linear",
+              "--attention-dropout", repr(float(config.attention_dropout)), "--hidden-dropout", "0.0",
+              "--init-method-std", repr(config.initializer_range),
+              "--vocab-size", str(config.vocab_size),
+              "--make-vocab-size-divisible-by", str(VOCAB_DIVISOR),
+              "--num-experts", str(getattr(config, family.experts_key)),
+              "--moe-router-topk", str(config.num_experts_per_tok),
+              "--moe-ffn-hidden-size", str(getattr(config, family.expert_width_key)),
+              "--moe-router-load-balancing-type", "aux_loss",
+              "--moe-aux-loss-coeff", repr(config.router_aux_loss_coef),
+              *DTYPE_FLAGS[dtype]]
+    if not config.tie_word_embeddings:
+        flags.append("--untie-embeddings-and-output-weights")
+    if family.qk_norm:
+        flags.append("--qk-layernorm")
+    return flags + family.flags(config)
+
+
+# Saved args that every family needs as they are; anything else is a model no family maps.
+_REQUIRED_ARGS = {
+    "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False, "add_qkv_bias": False,
+    "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
+    "use_rope_scaling": False, "layernorm_zero_centered_gamma": False, "multi_latent_attention": False,
+    "mtp_num_layers": None, "moe_shared_expert_intermediate_size": None,
+    "moe_router_score_function": "softmax", "moe_router_topk_scaling_factor": None,
+    "moe_router_enable_expert_bias": False, "moe_router_num_groups": None,
+    "window_size": None, "qk_l2_norm": False, "hybrid_layer_pattern": None,
+    "experimental_attention_variant": None,
+}
+
+
+def _single(value, name: str):
+    """megatron keeps some per-loss settings as lists (one entry per load-balancing type)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ConvertError(f"the checkpoint's {name}={value!r}: one value maps to Hugging Face")
+        return value[0]
+    return value
+
+
+def check_exportable(args) -> None:
+    for name, wanted in _REQUIRED_ARGS.items():
+        value = getattr(args, name, wanted)
+        if value != wanted:
+            raise ConvertError(f"the checkpoint's {name}={value!r} has no Hugging Face mapping "
+                               f"here (needs {wanted!r})")
+    freq = args.moe_layer_freq
+    if not args.num_experts or (freq != 1 and any(layer != 1 for layer in freq)):
+        raise ConvertError(f"the checkpoint's num_experts={args.num_experts!r}, moe_layer_freq="
+                           f"{freq!r}: only models whose every layer is MoE map to a family yet")
+    if _single(args.moe_router_load_balancing_type, "moe_router_load_balancing_type") not in (
+            "aux_loss", "none"):
+        raise ConvertError(f"the checkpoint's moe_router_load_balancing_type="
+                           f"{args.moe_router_load_balancing_type!r} has no Hugging Face mapping")
+
+
+def vocab_size(args) -> int:
+    """The vocabulary the HF model gets: the unpadded --vocab-size when the run had one, else
+    (a tokenizer-sized run) megatron's padded size, padding rows included."""
+    return args.vocab_size or args.padded_vocab_size
+
+
+def hf_config_kwargs(family: Family, args, dtype: str) -> dict:
+    """The HF config (keyword arguments of the family's config class) of saved megatron args."""
+    check_exportable(args)
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    return {
+        "architectures": [family.architecture], "dtype": dtype,
+        "vocab_size": vocab_size(args), "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": groups, "head_dim": args.kv_channels,
+        "max_position_embeddings": args.max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(args.rotary_base)},
+        "rms_norm_eps": args.layernorm_epsilon, "hidden_act": "silu",
+        "attention_dropout": args.attention_dropout,
+        "initializer_range": args.init_method_std,
+        "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
+        "num_experts_per_tok": args.moe_router_topk,
+        "router_aux_loss_coef": _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff"),
+        **family.config_keys(args),
+    }

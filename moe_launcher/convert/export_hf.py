@@ -1,0 +1,40 @@
+"""export-hf: a launcher torch_dist checkpoint (any layout) as a Hugging Face folder that
+`AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in the
+checkpoint, sharded safetensors with their index, the tokenizer's files with --tokenizer.
+"""
+
+from __future__ import annotations
+
+from . import megatron_side
+from .architecture import hf_config_kwargs
+from .families import family_of_args
+from .hf_files import ShardWriter, copy_tokenizer
+from .staging import check_target, staged_folder
+from .tensor_map import rules, split
+
+
+def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str | None,
+              max_shard_bytes: int) -> None:
+    import transformers
+
+    check_target(out_dir)
+    path = megatron_side.iteration_dir(ckpt_dir, iteration)
+    megatron_side.check_format(path)
+    megatron_side.start()
+    args = megatron_side.saved_args(path)
+    family = family_of_args(args)
+    model_config = megatron_side.world_one_config(args)
+    dtype = str(model_config.params_dtype).removeprefix("torch.")
+    config = getattr(transformers, family.config_class)(**hf_config_kwargs(family, args, dtype))
+    model = megatron_side.build(model_config)
+    megatron_side.load_into(model, path)
+    params = model.state_dict()
+    with staged_folder(out_dir) as staging:
+        if tokenizer:
+            copy_tokenizer(tokenizer, staging)
+        writer = ShardWriter(staging, max_shard_bytes)
+        for rule in rules(family, config):
+            for name, tensor in zip(rule.hf, split(rule, params[rule.megatron], config)):
+                writer.add(name, tensor)
+        writer.finish()
+        config.save_pretrained(staging)

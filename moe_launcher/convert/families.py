@@ -1,0 +1,120 @@
+"""The model families the converter maps, one `Family` each, looked up by the `architectures`
+name of a Hugging Face config.json (`FAMILIES`) or by the args saved in a megatron checkpoint
+(`family_of_args`). Architectures known but not mapped yet are in `REFUSED`, with the reason.
+
+A family holds the HF tensor names of one decoder layer and its config keys; everything every
+family shares (attention, norms, rope, vocabulary, the router) is in `architecture.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .errors import ConvertError
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    architecture: str  # config.json "architectures" entry and transformers model class
+    config_class: str  # the transformers configuration class
+    # HF names under `model.layers.{i}.`: the router, and expert {e}'s gate, up, down projections.
+    router: str
+    expert_projections: tuple[str, str, str]
+    qk_norm: bool  # per-head RMSNorm of q and k before rope (megatron --qk-layernorm)
+    expert_width_key: str  # the config key of one expert's FFN width
+    experts_key: str  # the config key of the number of experts
+    # The family's own config keys to megatron flags (refusing what megatron cannot build).
+    flags: Callable[[object], list[str]]
+    # The family's own config keys from the args saved in a checkpoint.
+    config_keys: Callable[[object], dict]
+    # Saved megatron args that tell this family apart on export (all must hold).
+    marks: dict = dataclasses.field(default_factory=dict)
+
+
+def refuse_if(condition: bool, key: str, value, why: str) -> None:
+    if condition:
+        raise ConvertError(f"config.json sets {key}={value!r}: {why}")
+
+
+def _qwen3_moe_flags(config) -> list[str]:
+    refuse_if(bool(getattr(config, "use_sliding_window", False)), "use_sliding_window", True,
+              "the launcher's attention is full causal attention (megatron's --window-size is "
+              "not mapped)")
+    refuse_if(bool(config.mlp_only_layers), "mlp_only_layers", config.mlp_only_layers,
+              "dense MLP layers between the MoE layers (--moe-layer-freq) are not mapped yet")
+    refuse_if(config.decoder_sparse_step != 1, "decoder_sparse_step", config.decoder_sparse_step,
+              "dense MLP layers between the MoE layers (--moe-layer-freq) are not mapped yet")
+    # Qwen3-MoE takes the top-k of the softmax over all experts and renormalises them only with
+    # norm_topk_prob; megatron's --moe-router-pre-softmax is the same softmax without the
+    # renormalisation, its default (top-k logits, then softmax) is the renormalised one.
+    flags = ["--ffn-hidden-size", str(config.intermediate_size)]
+    return flags if config.norm_topk_prob else flags + ["--moe-router-pre-softmax"]
+
+
+def _qwen3_moe_config(args) -> dict:
+    return {"moe_intermediate_size": args.moe_ffn_hidden_size,
+            "intermediate_size": args.ffn_hidden_size, "num_experts": args.num_experts,
+            "norm_topk_prob": not args.moe_router_pre_softmax}
+
+
+def _mixtral_flags(config) -> list[str]:
+    refuse_if(config.sliding_window is not None, "sliding_window", config.sliding_window,
+              "the launcher's attention is full causal attention (megatron's --window-size is "
+              "not mapped)")
+    refuse_if(bool(config.router_jitter_noise), "router_jitter_noise", config.router_jitter_noise,
+              "megatron's router has no multiplicative jitter on its logits")
+    # Mixtral's experts are its only MLP; megatron still asks for a dense width.
+    return ["--ffn-hidden-size", str(config.intermediate_size)]
+
+
+def _mixtral_config(args) -> dict:
+    return {"intermediate_size": args.moe_ffn_hidden_size, "num_local_experts": args.num_experts}
+
+
+FAMILIES: dict[str, Family] = {family.architecture: family for family in (
+    Family(architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",
+           router="mlp.gate.weight",
+           expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                               "mlp.experts.{e}.down_proj.weight"),
+           qk_norm=True, expert_width_key="moe_intermediate_size", experts_key="num_experts",
+           flags=_qwen3_moe_flags, config_keys=_qwen3_moe_config,
+           marks={"qk_layernorm": True}),
+    Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
+           router="block_sparse_moe.gate.weight",
+           expert_projections=("block_sparse_moe.experts.{e}.w1.weight",
+                               "block_sparse_moe.experts.{e}.w3.weight",
+                               "block_sparse_moe.experts.{e}.w2.weight"),
+           qk_norm=False, expert_width_key="intermediate_size", experts_key="num_local_experts",
+           flags=_mixtral_flags, config_keys=_mixtral_config,
+           marks={"qk_layernorm": False, "moe_router_pre_softmax": False}),
+)}
+
+REFUSED: dict[str, str] = {
+    "OlmoeForCausalLM": "OLMoE normalises q and k over the whole projection (one RMSNorm of "
+                        "num_heads*head_dim), megatron's --qk-layernorm normalises each head "
+                        "(head_dim): the forward would differ",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-latent attention builds in megatron only with "
+                             "Transformer Engine, not on the local spec this converter uses",
+}
+
+
+def family_of_architecture(architectures) -> Family:
+    names = list(architectures or [])
+    if len(names) != 1:
+        raise ConvertError(f"config.json names architectures {names!r}; one is needed")
+    name = names[0]
+    if name in REFUSED:
+        raise ConvertError(f"{name} is not supported: {REFUSED[name]}")
+    if name not in FAMILIES:
+        raise ConvertError(f"{name} is not supported (supported: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def family_of_args(args) -> Family:
+    """The family whose marks the saved args carry (the first, in registry order)."""
+    for family in FAMILIES.values():
+        if all(getattr(args, key, None) == value for key, value in family.marks.items()):
+            return family
+    seen = {key: getattr(args, key, None) for family in FAMILIES.values() for key in family.marks}
+    raise ConvertError(f"no Hugging Face family has the checkpoint's {seen}")

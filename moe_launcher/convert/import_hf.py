@@ -1,0 +1,73 @@
+"""import-hf: a Hugging Face MoE folder as a torch_dist checkpoint the launcher loads at any
+layout (`OUT_DIR/release`, the tracker naming it), plus `OUT_DIR/model_flags.txt`, the
+Megatron-LM flags of the architecture.
+
+Everything that can be refused is refused before the output folder is created: the family,
+the config keys, every shard's header; each HF tensor is then read once, straight into the
+megatron parameter it belongs to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import megatron_side
+from .architecture import megatron_flags
+from .errors import ConvertError
+from .families import Family, family_of_architecture
+from .hf_files import HFTensors, read_config_json
+from .staging import check_target, staged_folder
+from .tensor_map import fuse, rules
+
+FLAGS_FILE = "model_flags.txt"
+
+
+def hf_config(family: Family, hf_dir: str):
+    """The folder's config through the family's transformers class (its defaults filled in)."""
+    import transformers
+
+    return getattr(transformers, family.config_class).from_pretrained(hf_dir)
+
+
+def _fill(model, family: Family, config, tensors: HFTensors) -> None:
+    params = model.state_dict()
+    padded_vocab = model.embedding.word_embeddings.weight.shape[0]
+    filled = set()
+    with torch.no_grad():
+        for rule in rules(family, config):
+            target = params[rule.megatron]
+            sources = [tensors.get(name) for name in rule.hf]
+            for name, source in zip(rule.hf, sources):
+                # copy_ would cast silently; the checkpoint keeps the HF model's own values.
+                if source.dtype != target.dtype:
+                    raise ConvertError(f"{name} is {source.dtype}, not the {target.dtype} of "
+                                       "config.json's dtype")
+            value = fuse(rule, sources, config, padded_vocab)
+            if value.shape != target.shape:
+                raise ConvertError(f"{', '.join(rule.hf)} make a tensor of shape "
+                                   f"{tuple(value.shape)}, the config's architecture needs "
+                                   f"{tuple(target.shape)} for {rule.megatron}")
+            target.copy_(value)
+            filled.add(rule.megatron)
+    tensors.check_all_read()
+    unfilled = [name for name in params if name not in filled and not name.endswith("_extra_state")]
+    if unfilled:
+        raise ConvertError(f"the mapping leaves megatron parameters unset: {', '.join(unfilled[:3])}")
+
+
+def import_hf(hf_dir: str, out_dir: str) -> None:
+    check_target(out_dir)
+    family = family_of_architecture(read_config_json(hf_dir).get("architectures"))
+    config = hf_config(family, hf_dir)
+    flags = megatron_flags(family, config)
+    tensors = HFTensors(hf_dir)
+    megatron_side.start()
+    args, model_config = megatron_side.args_of_flags(flags, config.max_position_embeddings)
+    model = megatron_side.build(model_config)
+    _fill(model, family, config, tensors)
+    with staged_folder(out_dir) as staging:
+        megatron_side.save_release(model, args, staging)
+        with open(os.path.join(staging, FLAGS_FILE), "w") as f:
+            f.write(" ".join(flags) + "\n")

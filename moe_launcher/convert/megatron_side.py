@@ -1,0 +1,200 @@
+"""megatron in the converter's process: a gloo world of one rank with every parallel size 1,
+the launcher's patches and platform defaults (megatron's local spec, CPU initialisation), and
+the GPTModel megatron's own builder makes from a validated command line or from the args saved
+in a checkpoint. Saving and loading go through megatron's dist_checkpointing, as the launcher's
+do: what this process writes at TP1 any layout loads, and it loads any layout's checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import os
+import socket
+
+import torch
+
+from .errors import ConvertError
+
+# What a conversion's command line needs besides the architecture; saved in the checkpoint's
+# args (megatron reads none of them back when the launcher loads it: see save_release).
+_CONVERSION_FLAGS = ["--tokenizer-type", "NullTokenizer", "--micro-batch-size", "1",
+                     "--global-batch-size", "1", "--train-iters", "1", "--eval-interval", "1",
+                     "--eval-iters", "0", "--lr", "0.0", "--mock-data", "--ckpt-format",
+                     "torch_dist", "--no-save-optim", "--no-save-rng"]
+
+# A checkpoint's args as one rank holds the whole model: the layout reset, Transformer Engine,
+# FSDP and fused kernels off (the weights are the same; the local spec's checkpoint keys are
+# TE's, megatron maps them), and sequential experts (their checkpoint keys are grouped GEMM's).
+_WORLD_ONE = {
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+    "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+    "context_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+    "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+    "num_layers_per_virtual_pipeline_stage": None,
+    "pipeline_model_parallel_layout": None, "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False, "sequence_parallel": False,
+    "world_size": 1, "rank": 0, "data_parallel_size": 1,
+    "transformer_impl": "local", "moe_grouped_gemm": False, "use_cpu_initialization": True,
+    "gradient_accumulation_fusion": False, "no_persist_layer_norm": True,
+    "masked_softmax_fusion": False, "apply_rope_fusion": False, "bias_swiglu_fusion": False,
+    "use_megatron_fsdp": False, "use_torch_fsdp2": False, "fp8": None, "fp4": None,
+    "recompute_granularity": None, "recompute_method": None, "cuda_graph_impl": "none",
+}
+
+
+def start() -> None:
+    """The CPU backend (without CUDA), the launcher's patches, one gloo rank (idempotent)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # megatron's parser reads them
+    if not torch.cuda.is_available():
+        from moe_launcher import cpu_backend
+
+        cpu_backend.activate()
+    from megatron_patches import registry
+
+    registry.load_patches()
+    registry.apply_patches(registry.current_context(cpu_backend=not torch.cuda.is_available()))
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(0)
+
+
+def args_of_flags(model_flags: list[str], seq_length: int):
+    """megatron's validated args and GPT model config for `model_flags`, as pretrain_moe.py
+    checks them (its parser, preflight, megatron's validation), on the local spec."""
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    from moe_launcher.megatron_validation import checked_command_line
+    from moe_launcher.platform_defaults import with_platform_defaults
+    from moe_launcher.runtime.refusals import PreflightError
+
+    argv = model_flags + ["--seq-length", str(seq_length)] + _CONVERSION_FLAGS
+    argv, _ = with_platform_defaults(argv, on_cpu=True, have_te=False)
+    try:
+        # megatron prints every argument while it validates: not the converter's output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            args, config = checked_command_line(argv)
+    except PreflightError as error:
+        raise ConvertError(str(error)) from None
+    # What megatron's tokenizer setup records at TP1, as in a launcher's own checkpoint.
+    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+    return args, config.model
+
+
+def world_one_config(saved_args):
+    """The GPT model config of a checkpoint's saved args, laid out for this one rank."""
+    from moe_launcher.megatron_validation import model_config
+    from moe_launcher.runtime.refusals import PreflightError
+
+    args = copy.copy(saved_args)
+    for name, value in _WORLD_ONE.items():
+        setattr(args, name, value)
+    try:
+        return model_config(args)
+    except PreflightError as error:
+        raise ConvertError(str(error)) from None
+
+
+def build(model_config):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    builder = model_config.get_builder_cls()(model_config)
+    model = builder.build_model(ProcessGroupCollection.use_mpu_process_groups())
+    # megatron builds in fp32 and its Float16Module casts the whole model for --bf16/--fp16:
+    # the weights a launcher checkpoint holds are in params_dtype.
+    return model.to(model_config.params_dtype)
+
+
+def save_release(model, args, ckpt_root: str) -> None:
+    """`ckpt_root/release` and a tracker naming it: megatron's convention for a converted
+    checkpoint. megatron's load then takes iteration 0 and reads no optimizer, scheduler or RNG
+    state (none is saved), with or without --finetune."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    from megatron.training import checkpointing
+
+    # The sharded-state-dict metadata megatron's own save_checkpoint builds for these args.
+    metadata = checkpointing._build_sharded_state_dict_metadata(args)
+    state = checkpointing.generate_state_dict(args, [model], None, None, None, iteration=0,
+                                              model_sd_kwargs={"metadata": metadata})
+    release = os.path.join(ckpt_root, "release")
+    os.mkdir(release)
+    dist_checkpointing.save(state, release,
+                            content_metadata=_clean_metadata_for_serialization(metadata))
+    with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+
+
+def iteration_dir(ckpt_root: str, iteration: int | None) -> str:
+    """The iteration folder to export: --iteration's, else the one the tracker names."""
+    from moe_launcher.checkpoint_files.commit_protocol import iteration_dirname, read_tracker
+    from moe_launcher.runtime.refusals import CheckpointLoadError
+
+    if not os.path.isdir(ckpt_root):
+        raise ConvertError(f"{ckpt_root} is not a folder")
+    if iteration is not None:
+        name = iteration_dirname(iteration)
+    else:
+        try:
+            name = read_tracker(ckpt_root)
+        except CheckpointLoadError as error:
+            raise ConvertError(str(error)) from None
+        if name is None:
+            raise ConvertError(f"{ckpt_root} has no latest_checkpointed_iteration.txt "
+                               "(pass --iteration N)")
+    path = os.path.join(ckpt_root, name)
+    if not os.path.isdir(path):
+        raise ConvertError(f"{path} does not exist")
+    return path
+
+
+def check_format(path: str) -> None:
+    """Refuses what is not a complete torch_dist checkpoint, from its files alone."""
+    from moe_launcher.checkpoint_files.file_checks import file_problems
+
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except FileNotFoundError:
+        backend = "fsdp_dtensor" if os.path.isfile(os.path.join(path, ".metadata")) else None
+    if backend == "fsdp_dtensor":
+        raise ConvertError(f"{path} is an fsdp_dtensor checkpoint (torch DCP files without "
+                           "megatron's metadata.json): export reads torch_dist only for now (load "
+                           "it in the launcher and save with --ckpt-format torch_dist)")
+    if backend != "torch_dist":
+        raise ConvertError(f"{path} is not a torch_dist checkpoint (sharded_backend {backend!r})")
+    problems = file_problems(path)
+    if problems:
+        raise ConvertError(f"{path} is damaged: {problems[0]}")
+
+
+def saved_args(path: str):
+    """The args a torch_dist checkpoint was saved with."""
+    from megatron.core import dist_checkpointing
+
+    args = dist_checkpointing.load_common_state_dict(path).get("args")
+    if args is None:
+        raise ConvertError(f"{path} holds no megatron args")
+    return args
+
+
+def load_into(model, path: str) -> None:
+    """megatron's dist_checkpointing load of the model's tensors (the optimizer's are left on
+    disk), resharded from the saved layout to this rank's."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, path)
+    model.load_state_dict(loaded["model"], strict=True)

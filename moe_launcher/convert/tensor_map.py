@@ -1,0 +1,99 @@
+"""Which Hugging Face tensors make each parameter of megatron's world-size-1 GPTModel (local
+spec), and the two layouts megatron fuses:
+
+* `linear_qkv`: per query group g, the group's query heads, then its key head, then its value
+  head ([g0: q.. k v][g1: q.. k v]...), rows of head_dim each; HF keeps q, k, v apart.
+* an expert's `linear_fc1`: the SwiGLU gate rows, then the up rows (megatron's swiglu takes
+  silu of the first half times the second); HF keeps gate_proj and up_proj apart.
+
+Embedding and output layer carry megatron's padded vocabulary; the rows past the HF vocabulary
+are zeros on import and are dropped on export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .architecture import head_dim
+from .families import Family
+
+COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    megatron: str  # parameter name in the world-size-1 model's state_dict
+    hf: tuple[str, ...]  # the HF tensors it is made of, in fused order
+    layout: str  # COPY, QKV, GATE_UP or VOCAB
+
+
+def rules(family: Family, config) -> list[Rule]:
+    """Every parameter of the model, in the order of the HF checkpoint's layers."""
+    found = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)]
+    for i in range(config.num_hidden_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attention = mc + "self_attention."
+        found += [
+            Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), COPY),
+            Rule(attention + "linear_qkv.weight",
+                 tuple(f"{hf}self_attn.{p}_proj.weight" for p in "qkv"), QKV),
+            Rule(attention + "linear_proj.weight", (hf + "self_attn.o_proj.weight",), COPY),
+        ]
+        if family.qk_norm:
+            found += [Rule(attention + f"{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",),
+                           COPY) for p in "qk"]
+        found += [Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
+                       COPY),
+                  Rule(mc + "mlp.router.weight", (hf + family.router,), COPY)]
+        gate, up, down = family.expert_projections
+        for e in range(getattr(config, family.experts_key)):
+            expert = f"{mc}mlp.experts.local_experts.{e}."
+            found += [Rule(expert + "linear_fc1.weight",
+                           (hf + gate.format(e=e), hf + up.format(e=e)), GATE_UP),
+                      Rule(expert + "linear_fc2.weight", (hf + down.format(e=e),), COPY)]
+    found.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
+    if not config.tie_word_embeddings:
+        found.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
+    return found
+
+
+def _groups(config) -> tuple[int, int, int]:
+    """(query groups, query heads per group, head_dim)."""
+    groups = config.num_key_value_heads
+    return groups, config.num_attention_heads // groups, head_dim(config)
+
+
+def fuse(rule: Rule, tensors: list[torch.Tensor], config, padded_vocab: int) -> torch.Tensor:
+    """The megatron parameter of `rule` from its HF tensors."""
+    if rule.layout == COPY:
+        return tensors[0]
+    if rule.layout == GATE_UP:
+        return torch.cat(tensors, dim=0)
+    if rule.layout == VOCAB:
+        (table,) = tensors
+        return torch.cat([table, table.new_zeros(padded_vocab - table.shape[0], table.shape[1])])
+    groups, per_group, dim = _groups(config)
+    q, k, v = tensors
+    hidden = q.shape[1]
+    return torch.cat([q.reshape(groups, per_group * dim, hidden), k.reshape(groups, dim, hidden),
+                      v.reshape(groups, dim, hidden)], dim=1).reshape(-1, hidden)
+
+
+def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
+    """The HF tensors of `rule` from its megatron parameter (contiguous copies, safetensors
+    writes no views)."""
+    if rule.layout == COPY:
+        parts = [param]
+    elif rule.layout == GATE_UP:
+        parts = list(param.chunk(2, dim=0))
+    elif rule.layout == VOCAB:
+        parts = [param[:config.vocab_size]]
+    else:
+        groups, per_group, dim = _groups(config)
+        hidden = param.shape[1]
+        q, k, v = param.reshape(groups, (per_group + 2) * dim, hidden).split(
+            [per_group * dim, dim, dim], dim=1)
+        parts = [t.reshape(-1, hidden) for t in (q, k, v)]
+    return [part.detach().clone().contiguous() for part in parts]

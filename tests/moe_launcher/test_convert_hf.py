@@ -1,0 +1,385 @@
+"""import-hf / export-hf judged by real transformers and real megatron-core: tiny random fp32
+models made with transformers' own config classes (no downloads), converted by the real command
+line (`python -m moe_launcher.convert`, a process of its own: it applies the launcher's patches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB, SEQ = 200, 16
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    # norm_topk_prob=False: the un-renormalised top-k (megatron's --moe-router-pre-softmax).
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64, norm_topk_prob=False,
+                          tie_word_embeddings=False)
+
+
+def _mixtral():
+    from transformers import MixtralConfig
+
+    # head_dim left unset, as in Mixtral's own config.json (hidden_size / heads).
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def _qwen3_moe_tied_bf16():
+    config = _qwen3_moe()
+    config.tie_word_embeddings, config.norm_topk_prob, config.dtype = True, True, "bfloat16"
+    return config
+
+
+FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+# Round trip only: tied embeddings (megatron without --untie-embeddings-and-output-weights),
+# bf16 weights (--bf16), the renormalised top-k (megatron's default router).
+VARIANTS = {**FAMILIES, "qwen3_moe_tied_bf16": _qwen3_moe_tied_bf16}
+
+
+def _randomise(model) -> None:
+    """Weights large enough that every layer changes the logits: transformers' init (std 0.02)
+    leaves them near zero, where a wrong layout could still compare equal. Norm weights stay
+    near one, router weights are spread so that top-k choices are clear."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.dim() == 1:
+                param.copy_(1 + 0.2 * noise)
+            else:
+                param.copy_(noise * (0.5 if "gate.weight" in name else 0.15))
+
+
+def convert(*argv: str) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, "-m", "moe_launcher.convert", *map(str, argv)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, f"convert {argv[0]} failed ({run.returncode}):\n{run.stderr[-4000:]}"
+    return run
+
+
+def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: tensor for file in folder.glob("*.safetensors")
+            for name, tensor in load_file(file).items()}
+
+
+@pytest.fixture(scope="module")
+def family_conversions(tmp_path_factory):
+    """family -> (family, HF folder, imported checkpoint, exported HF folder), each made once."""
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def conversion(family: str):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            config = VARIANTS[family]()
+            model = AutoModelForCausalLM.from_config(config)
+            _randomise(model)
+            model.to(getattr(torch, str(config.dtype or "float32").removeprefix("torch.")))
+            # Qwen3-MoE sharded with an index, Mixtral as one file: both layouts import.
+            model.save_pretrained(root / "hf", max_shard_size="40KB" if family == "qwen3_moe"
+                                  else "1GB")
+            convert("import-hf", root / "hf", root / "ckpt")
+            convert("export-hf", root / "ckpt", root / "exported", "--max-shard-size", "100KB")
+            made[family] = family, root / "hf", root / "ckpt", root / "exported"
+        return made[family]
+
+    return conversion
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def converted(request, family_conversions):
+    return family_conversions(request.param)
+
+
+def _megatron_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The checkpoint loaded the way export reads it: megatron's GPTModel at TP1 from the args
+    saved in it, its tensors through dist_checkpointing."""
+    from _megatron_cpu import init_world
+
+    from moe_launcher.convert import megatron_side
+
+    init_world()
+    path = megatron_side.iteration_dir(str(ckpt), None)
+    model = megatron_side.build(megatron_side.world_one_config(megatron_side.saved_args(path)))
+    megatron_side.load_into(model, path)
+    model.eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)
+    with torch.no_grad():
+        return model(tokens, positions, causal[None, None])
+
+
+def test_imported_checkpoint_gives_transformers_logits(converted):
+    from transformers import AutoModelForCausalLM
+
+    family, hf_dir, ckpt, _ = converted
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
+            tokens).logits
+    logits = _megatron_logits(ckpt, tokens)
+    diff = (logits[..., :VOCAB] - expected).abs().max().item()
+    assert diff < 1e-4, f"{family}: max |megatron - transformers| logit = {diff:.3g}"
+    # The padding rows are zeros: their logits are exactly 0, the same at every layout.
+    assert logits.shape[-1] == 256 and torch.all(logits[..., VOCAB:] == 0)
+    print(f"{family}: max abs logit difference {diff:.3g}")
+
+
+def test_checkpoint_is_a_release_with_the_flags_that_built_it(converted):
+    from moe_launcher.convert import megatron_side
+
+    _, _, ckpt, _ = converted
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "release"
+    args = megatron_side.saved_args(str(ckpt / "release"))
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    assert args.num_layers == int(flags[flags.index("--num-layers") + 1])
+    assert args.padded_vocab_size == 256 and args.vocab_size == VOCAB
+    assert (args.tensor_model_parallel_size, args.expert_model_parallel_size) == (1, 1)
+    # The names export sets and checks are megatron's own argument names, not new attributes.
+    from moe_launcher.convert.architecture import _REQUIRED_ARGS
+    assert not [name for name in (*megatron_side._WORLD_ONE, *_REQUIRED_ARGS)
+                if not hasattr(args, name)]
+
+
+def test_round_trip_is_bit_identical(converted):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family, hf_dir, _, exported = converted
+    before, after = _hf_tensors(hf_dir), _hf_tensors(exported)
+    assert sorted(before) == sorted(after)
+    different = [name for name in before if before[name].dtype != after[name].dtype
+                 or not torch.equal(before[name], after[name])]
+    assert not different, f"{family}: {len(different)} tensors differ, e.g. {different[:3]}"
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "a small --max-shard-size shards"
+
+    def architecture(folder):
+        config = AutoConfig.from_pretrained(folder).to_dict()
+        config.pop("_name_or_path")
+        # None means hidden_size / heads to the modelling code; export writes the number.
+        config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config[
+            "num_attention_heads"]
+        return config
+
+    assert architecture(exported) == architecture(hf_dir)
+    _, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    assert not any(info.values()), f"from_pretrained reports {info}"
+
+
+def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
+    _, hf_dir, ckpt, exported = family_conversions("qwen3_moe_tied_bf16")
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    assert "--bf16" in flags and "--untie-embeddings-and-output-weights" not in flags
+    before, after = _hf_tensors(hf_dir), _hf_tensors(exported)
+    assert "lm_head.weight" not in after and sorted(before) == sorted(after)
+    assert all(after[name].dtype == torch.bfloat16 and torch.equal(before[name], after[name])
+               for name in before)
+
+
+def test_export_copies_the_tokenizer(family_conversions, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    _, _, ckpt, _ = family_conversions("mixtral")
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            unk_token="t0").save_pretrained(tmp_path / "tok")
+    convert("export-hf", ckpt, tmp_path / "out", "--tokenizer", tmp_path / "tok")
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("t7") == 7
+
+
+def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
+    """One document of `tokens` repeated: every sample megatron's GPTDataset cuts from it
+    (seq_length + 1 tokens from a multiple of seq_length, in any shuffled order, across epochs)
+    is the same, `tokens` followed by its first token."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    builder.add_item(tokens.repeat(8))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conversions,
+                                                                   tmp_path):
+    """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
+    sequence parallelism and experts EP2: the first logged loss is transformers' loss on the
+    batch (over megatron's padded vocabulary, whose zero rows give logit 0); after one step at
+    lr 0 the launcher's own TP2/EP2 checkpoint, optimizer state and all, exports bit-identical."""
+    from _launch import launch, tensorboard_scalars
+    from transformers import AutoModelForCausalLM
+
+    family, hf_dir, ckpt, _ = family_conversions("mixtral")
+    tokens = torch.randint(0, VOCAB - 1, (SEQ,), generator=torch.Generator().manual_seed(2))
+    prefix = str(tmp_path / "corpus_text_document")
+    _periodic_corpus(prefix, tokens)
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    launch(2, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
+               "--global-batch-size", "2", "--tensor-model-parallel-size", "2",
+               "--sequence-parallel", "--expert-model-parallel-size", "2",
+               "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall",
+               "--tokenizer-type", "NullTokenizer", "--data-path", prefix, "--split", "100,0,0",
+               "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "1", "--lr", "0.0",
+               "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+               "--tensorboard-dir", str(tmp_path / "tb"), "--load", str(ckpt),
+               "--save", str(tmp_path / "trained"), "--save-interval", "1",
+               "--ckpt-format", "torch_dist"]).check()
+    logged = tensorboard_scalars(tmp_path / "tb", "lm loss")[1]
+
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
+            tokens[None]).logits[0]
+    padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
+    labels = torch.cat([tokens[1:], tokens[:1]])
+    expected = torch.nn.functional.cross_entropy(padded, labels).item()
+    assert abs(logged - expected) < 1e-4 * expected, (
+        f"{family}: launcher's first loss {logged!r}, transformers' {expected!r}")
+    print(f"{family} at TP2/EP2: launcher's first loss {logged!r}, transformers' {expected!r}")
+
+    convert("export-hf", tmp_path / "trained", tmp_path / "exported")
+    before, after = _hf_tensors(hf_dir), _hf_tensors(tmp_path / "exported")
+    assert sorted(before) == sorted(after)
+    different = [name for name in before if not torch.equal(before[name], after[name])]
+    assert not different, f"{len(different)} tensors changed, e.g. {different[:3]}"
+
+
+@pytest.mark.parametrize("remove, add, named", [
+    ((), ("--moe-shared-expert-intermediate-size", "32"), "moe_shared_expert_intermediate_size"),
+    ((), ("--moe-layer-freq", "[0,1]"), "moe_layer_freq"),
+    (("--swiglu",), (), "swiglu"),
+    (("--qk-layernorm",), (), "no Hugging Face family"),  # pre-softmax without qk norm
+])
+def test_export_refuses_models_no_family_maps(remove, add, named, family_conversions,
+                                              monkeypatch):
+    """Args as megatron's parser and validation make them for the imported flags, changed."""
+    from moe_launcher.convert import megatron_side
+    from moe_launcher.convert.architecture import hf_config_kwargs
+    from moe_launcher.convert.errors import ConvertError
+    from moe_launcher.convert.families import family_of_args
+
+    _, _, ckpt, _ = family_conversions("qwen3_moe")
+    flags = [flag for flag in (ckpt / "model_flags.txt").read_text().split() if flag not in remove]
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
+    args, _ = megatron_side.args_of_flags([*flags, *add], SEQ)
+    with pytest.raises(ConvertError, match=named):
+        hf_config_kwargs(family_of_args(args), args, "float32")
+
+
+# ---- refusals: one line, exit 2, nothing left behind ----------------------------------------
+
+def refused(capsys, tmp_path, *argv) -> str:
+    from moe_launcher.convert.__main__ import main
+
+    out = tmp_path / "out"
+    before = set(os.listdir(tmp_path))
+    capsys.readouterr()  # what fixtures printed (transformers' progress bars) is not the refusal
+    assert main([*map(str, argv), str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("convert: error: "), lines
+    assert set(os.listdir(tmp_path)) == before, "a refused conversion left files behind"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    """A small sharded Qwen3-MoE folder, copied by the tests that damage it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("qwen_shards") / "hf"
+    AutoModelForCausalLM.from_config(_qwen3_moe()).save_pretrained(folder, max_shard_size="40KB")
+    return folder
+
+
+def _with_config(source: Path, target: Path, **changes) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize("changes, named", [
+    ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM is not supported"),
+    ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "whole projection"),
+    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
+     "Transformer Engine"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope_type"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+])
+def test_import_refuses_what_megatron_would_build_otherwise(changes, named, qwen_dir, tmp_path,
+                                                            capsys):
+    folder = _with_config(qwen_dir, tmp_path / "hf", **changes)
+    assert named in refused(capsys, tmp_path, "import-hf", folder)
+
+
+def test_import_refuses_mixtral_sliding_window(tmp_path, capsys):
+    _mixtral().save_pretrained(tmp_path / "cfg")
+    folder = _with_config(tmp_path / "cfg", tmp_path / "hf", architectures=["MixtralForCausalLM"],
+                          sliding_window=4096)
+    assert "sliding_window=4096" in refused(capsys, tmp_path, "import-hf", folder)
+
+
+def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys):
+    missing = shutil.copytree(qwen_dir, tmp_path / "missing")
+    shard = sorted(missing.glob("*.safetensors"))[1]
+    shard.unlink()
+    assert f"{shard.name} is missing" in refused(capsys, tmp_path, "import-hf", missing)
+    shutil.rmtree(missing)
+
+    truncated = shutil.copytree(qwen_dir, tmp_path / "truncated")
+    shard = sorted(truncated.glob("*.safetensors"))[1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    assert "truncated" in refused(capsys, tmp_path, "import-hf", truncated)
+
+
+def test_refuses_an_output_folder_that_holds_files(qwen_dir, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("not ours")
+    assert "already exists" in refused(capsys, tmp_path, "import-hf", qwen_dir)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "not ours"
+
+
+def test_export_refuses_missing_checkpoints_and_fsdp_dtensor(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert "no latest_checkpointed_iteration.txt" in refused(capsys, tmp_path, "export-hf",
+                                                             tmp_path / "empty")
+    assert "iter_0000007 does not exist" in refused(capsys, tmp_path, "export-hf",
+                                                    tmp_path / "empty", "--iteration", "7")
+    # fsdp_dtensor's layout: torch DCP's .metadata and shards, none of megatron's metadata.json.
+    fsdp = tmp_path / "fsdp" / "iter_0000001"
+    fsdp.mkdir(parents=True)
+    (fsdp / ".metadata").write_bytes(b"")
+    (tmp_path / "fsdp" / "latest_checkpointed_iteration.txt").write_text("1")
+    assert "fsdp_dtensor" in refused(capsys, tmp_path, "export-hf", tmp_path / "fsdp")
+
+
+def test_export_refuses_a_damaged_checkpoint(family_conversions, tmp_path, capsys):
+    _, _, ckpt, _ = family_conversions("mixtral")
+    damaged = shutil.copytree(ckpt, tmp_path / "damaged")
+    shard = next((damaged / "release").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    assert "is damaged" in refused(capsys, tmp_path, "export-hf", damaged)
