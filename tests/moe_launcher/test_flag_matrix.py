@@ -139,9 +139,10 @@ REFUSED = {
                                        "--sequence-parallel", "--tp-comm-overlap"],
                                    "--tp-comm-overlap"),
     "latent-moe-without-te": (1, [*BASE, "--moe-latent-size", "32"], "--moe-latent-size"),
-    "huggingface-tokenizer-without-transformers": (
-        1, [*replaced(BASE, "--tokenizer-type", "HuggingFaceTokenizer"),
-            "--tokenizer-model", "gpt2"], "--tokenizer-type"),
+    # (transformers is installed: prepare_data and the HF converter need it; sentencepiece is not)
+    "sentencepiece-tokenizer-without-sentencepiece": (
+        1, [*replaced(BASE, "--tokenizer-type", "SentencePieceTokenizer"),
+            "--tokenizer-model", "tokenizer.model"], "--tokenizer-type"),
     "transformer-engine-impl-without-te": (1, [*BASE, "--transformer-impl",
                                                "transformer_engine"], "--transformer-impl"),
     # megatron-core 0.19.2's reload_model_params is not implemented for Megatron-FSDP
