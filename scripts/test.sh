@@ -11,6 +11,6 @@ status=0
 
 if [ -f requirements-legacy.lock ]; then
   MCORE=legacy bash scripts/setup.sh
-  .venv-legacy/bin/python -m pytest -q -m legacy tests/megatron_patches/fsdp/test_legacy_*.py || status=$?
+  LEGACY_SUITE=1 .venv-legacy/bin/python -m pytest -q -m legacy tests/megatron_patches/fsdp/test_legacy_*.py || status=$?
 fi
 exit $status

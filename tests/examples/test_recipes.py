@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from _required import require
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SH = ROOT / "examples" / "moe" / "train.sh"
 RECIPE_DIR = ROOT / "examples" / "moe" / "recipes"
@@ -270,8 +272,8 @@ def test_a_finished_run_says_so_and_how_to_train_further(tmp_path):
 
 # ------------------------------------------------------------------------------------------
 def test_shellcheck():
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed (apt-get install -y shellcheck); CI installs it")
+    require(shutil.which("shellcheck") is not None,
+            "shellcheck is not installed (apt-get install -y shellcheck); .ci/run installs it")
     files = [TRAIN_SH, *sorted(RECIPE_DIR.glob("*.sh"))]
     out = subprocess.run(["shellcheck", "--severity=style", *map(str, files)],
                          capture_output=True, text=True)

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from _required import require
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SH = "examples/moe/train.sh"
 PACKAGES = "slurmctld slurmd slurm-client munge"
@@ -264,10 +266,7 @@ def cluster():
                    f"`apt-get install -y {PACKAGES}` (.ci/run does this in CI)")
     elif os.geteuid() != 0:
         message = "the test cluster runs its daemons as root (SlurmUser=root); run as root"
-    if message:
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    require(message is None, message)
     root = Path(tempfile.mkdtemp(prefix="slurm-ci-"))
     root.chmod(0o755)
     c = Cluster(root)
