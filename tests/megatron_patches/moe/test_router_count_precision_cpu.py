@@ -1,13 +1,17 @@
 """Under --bf16 the router's token counters stay fp32 and exact (patch router-token-counts-fp32,
 Megatron-LM PR #7081): after a forward of a Float16Module-wrapped megatron GPT, the expert-bias
 counts and the global-aux-loss counts equal a direct count of the routing decisions, also where
-a count is above 256 (which bf16 cannot hold exactly)."""
+a count is above 256 (which bf16 cannot hold exactly). With the patch left out (megatron-core
+0.19.2's own TopKRouter._maintain_float32_expert_bias) the same forward keeps the counters in
+bf16: counts above 256 come out rounded to bf16's spacing there (2 up to 512, 4 up to 1024)."""
 
 import pytest
 import torch
 
 import _megatron_cpu as cpu
+import _unpatched
 
+PATCH = "router-token-counts-fp32"
 BATCH, SEQ = 2, 512  # 1024 tokens, top-2 of 4 experts: about 512 tokens per expert
 
 CASES = {
@@ -20,15 +24,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 @pytest.mark.parametrize("case", CASES)
-def test_router_counts_stay_fp32_and_exact_under_bf16(case):
+def test_router_counts_stay_fp32_and_exact_under_bf16(case, patched, monkeypatch):
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from megatron_patches import registry
-
-    registry.load_patches()
-    registry.apply_patches(registry.current_context(cpu_backend=True))
+    _unpatched.apply_all()
+    if not patched:
+        _unpatched.leave_out(monkeypatch, PATCH, TopKRouter, "_maintain_float32_expert_bias")
     overrides, buffer = CASES[case]
     config = cpu.tiny_config(num_moe_experts=4, moe_router_topk=2, bf16=True,
                              params_dtype=torch.bfloat16, **overrides)
@@ -47,8 +51,19 @@ def test_router_counts_stay_fp32_and_exact_under_bf16(case):
     cpu.train_step_loss(model, BATCH, SEQ)
 
     for router in routers:
-        counts = getattr(router, buffer)
-        assert routed[id(router)].max() > 256
-        assert torch.equal(counts.to(torch.int64), routed[id(router)]), (
-            f"{buffer} {counts.tolist()} != routed {routed[id(router)].tolist()}")
-        assert counts.dtype == torch.float32, f"{buffer} is {counts.dtype}"
+        counts, direct = getattr(router, buffer), routed[id(router)]
+        assert direct.max() > 256
+        if patched:
+            assert torch.equal(counts.to(torch.int64), direct), (
+                f"{buffer} {counts.tolist()} != routed {direct.tolist()}")
+            assert counts.dtype == torch.float32, f"{buffer} is {counts.dtype}"
+        else:  # megatron's own: the routed counts as bf16 holds them
+            assert counts.dtype == torch.bfloat16, f"{buffer} is {counts.dtype}"
+            assert torch.equal(counts, direct.to(torch.bfloat16)), (
+                f"{buffer} {counts.tolist()} != bf16 of routed {direct.tolist()}")
+    if not patched:  # and at least one count is not what was routed
+        errors = [(getattr(r, buffer).to(torch.int64) - routed[id(r)]).abs().max().item()
+                  for r in routers]
+        print(f"{case}: unpatched {buffer} off by up to {max(errors)} tokens, routed "
+              f"{[routed[id(r)].tolist() for r in routers]}")
+        assert max(errors) > 0
