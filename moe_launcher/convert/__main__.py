@@ -7,7 +7,9 @@ import os
 import re
 import sys
 
-from .errors import EXIT_STATUS, ConvertError
+from moe_launcher.runtime.refusals import EXIT_STATUS
+
+from .errors import ConvertError
 
 _UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

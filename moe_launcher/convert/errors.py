@@ -1,9 +1,8 @@
 """The one error type a conversion refuses with: printed as one `convert: error: ...` line on
 stderr, exit status 2, and nothing left in the output folder's place."""
 
-EXIT_STATUS = 2
+from moe_launcher.runtime.refusals import ToolError
 
 
-class ConvertError(Exception):
-    def line(self) -> str:
-        return f"convert: error: {self}"
+class ConvertError(ToolError):
+    tool = "convert"

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from moe_launcher.runtime.refusals import EXIT_STATUS
+
 from .config import PrepareConfig
 from .errors import PrepareError
 
@@ -61,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = prepare(config)
     except PrepareError as err:
-        print(f"prepare_data: error: {err}", file=sys.stderr)
-        return 2
+        print(err.line(), file=sys.stderr)
+        return EXIT_STATUS
     except KeyboardInterrupt:
         print("prepare_data: interrupted; nothing written", file=sys.stderr)
         return 130

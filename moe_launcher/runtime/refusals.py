@@ -7,6 +7,8 @@ raises one of these.
 * `LayerLayoutError`: layers megatron would build, or built, other than the flags ask (#1778).
 * `CheckpointRefusal` (`CheckpointSaveError`, `CheckpointLoadError`): a save or load stopped on
   purpose once training runs; every rank prints its one line and exits 1.
+* `ToolError`: the tools' refusals (`python -m moe_launcher.convert`, `... .prepare_data`): one
+  line `<tool>: error: ...` on stderr, exit `EXIT_STATUS`, nothing left behind.
 * The #1836 guards' `IncompleteCheckpointError` subclasses megatron's own CheckpointingException
   (megatron reports it per rank), so it lives with the guard: this module imports no megatron.
 
@@ -46,6 +48,15 @@ class CheckpointSaveError(CheckpointRefusal):
 
 class CheckpointLoadError(CheckpointRefusal):
     pass
+
+
+class ToolError(Exception):
+    """Input a tool cannot use; each tool subclasses it with its own name as `tool`."""
+
+    tool = "moe_launcher"
+
+    def line(self) -> str:
+        return f"{self.tool}: error: {self}"
 
 
 def refusal_types() -> tuple[type, ...]:
