@@ -1,10 +1,17 @@
 """A resumed OptimizerParamScheduler writes the checkpoint's learning rate and weight decay into
 the param groups the first step after the resume uses (patch scheduler-resume-weight-decay,
 Megatron-LM PR #5213): the same values the uninterrupted run uses, although the command line of
-the resumed run asks for another weight-decay schedule (--use-checkpoint-opt_param-scheduler)."""
+the resumed run asks for another weight-decay schedule (--use-checkpoint-opt_param-scheduler).
+With the patch left out (megatron-core 0.19.2's own load_state_dict) the first step gets the
+command line's weight decay at the checkpoint's step instead."""
 
 import pytest
 import torch
+
+import _unpatched
+
+PATCH = "scheduler-resume-weight-decay"
+SAVED_AT = 40
 
 
 def scheduler(optimizer, start_wd, end_wd, wd_incr_style):
@@ -20,18 +27,21 @@ def adamw():
     return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], lr=0.0)
 
 
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 @pytest.mark.parametrize("saved_style, command_line_style", [("linear", "cosine"),
                                                               ("cosine", "linear")])
 def test_first_step_after_resume_uses_the_checkpoint_weight_decay(saved_style,
-                                                                  command_line_style):
-    from megatron_patches import registry
+                                                                  command_line_style, patched,
+                                                                  monkeypatch):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    registry.load_patches()
-    registry.apply_patches(registry.current_context(cpu_backend=True))
+    _unpatched.apply_all()
+    if not patched:
+        _unpatched.leave_out(monkeypatch, PATCH, OptimizerParamScheduler, "load_state_dict")
 
     uninterrupted_optimizer = adamw()
     uninterrupted = scheduler(uninterrupted_optimizer, 0.01, 0.1, saved_style)
-    uninterrupted.step(40)
+    uninterrupted.step(SAVED_AT)
     checkpoint = uninterrupted.state_dict()
 
     resumed_optimizer = adamw()
@@ -42,6 +52,19 @@ def test_first_step_after_resume_uses_the_checkpoint_weight_decay(saved_style,
     got = resumed_optimizer.param_groups[0]
     assert (resumed.start_wd, resumed.end_wd, resumed.wd_incr_style) == (0.01, 0.1, saved_style)
     assert got["lr"] == expected["lr"]
-    assert got["weight_decay"] == expected["weight_decay"], (
-        f"first step after resume: weight decay {got['weight_decay']}, "
-        f"uninterrupted run {expected['weight_decay']}")
+    if patched:
+        assert got["weight_decay"] == expected["weight_decay"], (
+            f"first step after resume: weight decay {got['weight_decay']}, "
+            f"uninterrupted run {expected['weight_decay']}")
+        return
+    # megatron's own: the command line's schedule at the saved step, a run that was not saved
+    command_line_optimizer = adamw()
+    scheduler(command_line_optimizer, 0.0, 0.3, command_line_style).step(SAVED_AT)
+    command_line_wd = command_line_optimizer.param_groups[0]["weight_decay"]
+    print(f"unpatched first step after resume: weight decay {got['weight_decay']}, "
+          f"uninterrupted run {expected['weight_decay']}")
+    assert command_line_wd != expected["weight_decay"]
+    assert got["weight_decay"] == command_line_wd
+    resumed.step(1)  # the scheduler step after it switches to the checkpoint's schedule
+    uninterrupted.step(1)
+    assert got["weight_decay"] == expected["weight_decay"]
