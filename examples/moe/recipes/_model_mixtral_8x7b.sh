@@ -2,7 +2,8 @@
 # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config.json): 46.7B parameters, 12.9B active.
 # 32 layers, hidden 4096, 32 heads / 8 KV heads (GQA, head dim 128), SwiGLU experts of 14336,
 # 8 experts top-2 (softmax over the top-2 logits = megatron's default router), RMSNorm 1e-5,
-# RoPE theta 1e6, vocab 32000, untied embeddings. Trained here at sequence length 4096.
+# load-balancing loss 0.02 (router_aux_loss_coef), RoPE theta 1e6, vocab 32000, untied
+# embeddings. Trained here at sequence length 4096.
 VOCAB_SIZE=32000
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-mistralai/Mixtral-8x7B-v0.1}
 MODEL_ARGS=(
@@ -13,5 +14,5 @@ MODEL_ARGS=(
   --normalization RMSNorm --norm-epsilon 1e-5 --swiglu
   --disable-bias-linear --untie-embeddings-and-output-weights
   --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 14336
-  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+  --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 2e-2
 )
