@@ -238,3 +238,10 @@ def tensorboard_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
         if tag in accumulator.Tags()["scalars"]:
             values.update({e.step: e.value for e in accumulator.Scalars(tag)})
     return values
+
+
+def printed_losses(log: str, key: str = "lm loss") -> dict[int, str]:
+    """The `key` megatron printed on each iteration line (iteration -> the printed text, e.g.
+    '7.123456E+00'): the mean over the iterations since the previous line."""
+    return {int(iteration): value for iteration, value in re.findall(
+        rf"^.* iteration\s+(\d+)/\s*\d+ \|.* {re.escape(key)}: ([-+.0-9E]+) \|", log, flags=re.M)}

@@ -7,7 +7,7 @@ comparison is exact.
 
 import pytest
 
-from _launch import TINY_MODEL, launch, tensorboard_scalars
+from _launch import TINY_MODEL, launch, printed_losses, tensorboard_scalars
 
 K = 3  # iterations before the checkpoint; the runs go to 2K
 
@@ -61,3 +61,7 @@ def test_resume_matches_uninterrupted_run(layout, tmp_path):
         assert after_resume[iteration] == uninterrupted[iteration], (
             f"iteration {iteration}: resumed loss {after_resume[iteration]!r} != "
             f"uninterrupted {uninterrupted[iteration]!r}")
+    # Every line megatron prints is the loss of its iteration (--log-interval 1), the second
+    # line of each process too (first-log-interval-reset): what users compare runs by.
+    for run, written in ((full, uninterrupted), (resumed, after_resume)):
+        assert printed_losses(run.log) == {i: f"{loss:.6E}" for i, loss in written.items()}
