@@ -102,7 +102,7 @@ def build_gpt(config, seq_length: int):
                     max_sequence_length=seq_length, mtp_block_spec=mtp_spec)
 
 
-def build_hybrid(config, pattern: str, seq_length: int):
+def build_hybrid(config, pattern: str, seq_length: int, vocab: int = VOCAB):
     """A HybridModel from the launcher's local stack spec, as pretrain builds it without TE."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
@@ -113,7 +113,7 @@ def build_hybrid(config, pattern: str, seq_length: int):
     spec = local_hybrid_stack_spec(config.normalization, config.num_moe_experts)
     if config.multi_latent_attention:
         spec.submodules.mla_layer = _local_mla_layer()
-    return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=VOCAB,
+    return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=vocab,
                        max_sequence_length=seq_length, hybrid_layer_pattern=pattern)
 
 

@@ -3,9 +3,12 @@
 megatron's `num_floating_point_operations` (megatron/training/training.py) counts layers from the
 flags (wrong whenever #1778 bites), leaves out the router (2·h·E per token) and the shared-expert
 gate, ignores capacity-factor dropping/padding, and in its hybrid branch counts MLA/DSA as zero.
-This module counts every matmul of a GPT model from the layer census and the model's
-TransformerConfig; `flops-from-layer-census` puts it in place of megatron's function, which feeds
-the TFLOP/s/GPU log and the cumulative FLOPs saved in checkpoints. It reads both from the record
+This module counts every matmul of a GPT model, or of a HybridModel's attention, dense-MLP and
+MoE layers (`*`, `+`, `-`, `E`; its hybrid branch also leaves out the router), from the layer
+census and the model's TransformerConfig; `flops-from-layer-census` puts it in place of
+megatron's function, which feeds the TFLOP/s/GPU log and the cumulative FLOPs saved in
+checkpoints. A pattern with layers it does not model (Mamba `M`, GDN `G`, DSA `D`) keeps
+megatron's formula, which models them, and says so. It reads both from the record
 of the model built (moe_launcher/model/built_model.py), so it requires the `layer-census` patch; without it
 megatron's formula stays.
 
@@ -206,6 +209,24 @@ def _report(shape: ModelShape, total: float) -> None:
         print(f"FLOPs per iteration: {int(total)}", flush=True)
 
 
+def unmodelled_families(pattern: str | None) -> str:
+    """The layer symbols of a --hybrid-layer-pattern whose FLOPs this module does not count
+    (Mamba, GDN, DSA: they build only with TE and their packages); '' for a GPT model."""
+    if not pattern:
+        return ""
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
+
+    return "".join(symbol for symbol in (Symbols.MAMBA, Symbols.GDN, Symbols.DS_ATTENTION)
+                   if symbol in pattern)
+
+
+def _report_megatron_formula(pattern: str, families: str, total: float) -> None:
+    if collectives.rank() == 0:
+        print(f"[megatron_patches] FLOPs: megatron's formula for --hybrid-layer-pattern "
+              f"{pattern!r} (the layer census does not model its {families!r} layers; "
+              f"megatron's leaves out the router): {int(total)} per iteration", flush=True)
+
+
 def _apply() -> None:
     from megatron.training import training
     if getattr(training.num_floating_point_operations, "_from_census", False):
@@ -217,10 +238,16 @@ def _apply() -> None:
     def num_floating_point_operations(args, batch_size, seqlen_squared_sum_in_batch=None,
                                       total_real_tokens_in_batch=None):
         built = registry.record_of(layer_census.PATCH.name).built
-        if built is None or getattr(args, "hybrid_layer_pattern", None) is not None:
-            # Hybrid stacks are not GPT decoder layers: megatron's formula stays.
-            return megatron_flops(args, batch_size, seqlen_squared_sum_in_batch,
-                                  total_real_tokens_in_batch)
+        pattern = getattr(args, "hybrid_layer_pattern", None)
+        families = unmodelled_families(pattern)
+        if built is None or families:
+            flops = megatron_flops(args, batch_size, seqlen_squared_sum_in_batch,
+                                   total_real_tokens_in_batch)
+            if built is not None and (not reported or reported[0] is not built):
+                reported[:] = [built]
+                _report_megatron_formula(pattern, families, megatron_flops(
+                    args, args.global_batch_size))
+            return flops
         shape = ModelShape.from_config(built.config, args.padded_vocab_size,
                                        args.micro_batch_size, args.seq_length)
         if not reported or reported[0] is not built:
@@ -240,8 +267,9 @@ def _apply() -> None:
     training.num_floating_point_operations = num_floating_point_operations
 
 
-def _megatron_counts_router() -> bool:
-    """Asks megatron's formula: does a model with 64 experts cost more than one with 8?
+def _megatron_counts_router(hybrid_layer_pattern: str | None) -> bool:
+    """Asks megatron's formula (its GPT branch, or its hybrid branch for a pattern): does a
+    model with 64 experts cost more than one with 8?
 
     Same top-k, same expert width: the only difference is the router's 2·h·E per token.
     """
@@ -251,20 +279,24 @@ def _megatron_counts_router() -> bool:
 
     def args(num_experts: int) -> SimpleNamespace:
         return SimpleNamespace(
-            hybrid_layer_pattern=None, group_query_attention=False, num_attention_heads=2,
-            num_query_groups=2, kv_channels=8, hidden_size=16, ffn_hidden_size=32,
-            num_layers=2, num_experts=num_experts, moe_layer_freq=1, moe_router_topk=2,
-            mtp_num_layers=None, moe_ffn_hidden_size=32, moe_latent_size=None,
-            moe_shared_expert_intermediate_size=None, swiglu=False,
+            hybrid_layer_pattern=hybrid_layer_pattern, group_query_attention=False,
+            num_attention_heads=2, num_query_groups=2, kv_channels=8, hidden_size=16,
+            ffn_hidden_size=32, num_layers=2, num_experts=num_experts, moe_layer_freq=1,
+            moe_router_topk=2, mtp_num_layers=None, moe_ffn_hidden_size=32,
+            moe_latent_size=None, moe_shared_expert_intermediate_size=None, swiglu=False,
             multi_latent_attention=False, attention_output_gate=False,
-            experimental_attention_variant=None, padded_vocab_size=64, seq_length=16)
+            experimental_attention_variant=None, padded_vocab_size=64, seq_length=16,
+            mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=1, mamba_num_heads=2,
+            linear_key_head_dim=None, linear_value_head_dim=None, linear_num_key_heads=None,
+            linear_num_value_heads=None, linear_conv_kernel_dim=None)
 
-    return num_floating_point_operations(args(64), 1) != num_floating_point_operations(args(8), 1)
+    megatron_flops = registry.unwrapped(num_floating_point_operations)
+    return megatron_flops(args(64), 1) != megatron_flops(args(8), 1)
 
 
 def _not_needed(context: PatchContext) -> str | None:
-    if _megatron_counts_router():
-        return "megatron-core's FLOPs formula already counts the router"
+    if _megatron_counts_router(None) and _megatron_counts_router("*E*E"):
+        return "megatron-core's FLOPs formula already counts the router (GPT and hybrid)"
     return None
 
 
@@ -273,7 +305,8 @@ register(Patch(
     upstream="NVIDIA/Megatron-LM#1778",
     versions=">=0.15,<0.20",
     summary="replaces megatron.training.training.num_floating_point_operations with FLOPs of the "
-            "layers built (router, shared-expert gate, capacity factor, MLA, MTP)",
+            "layers built (router, shared-expert gate, capacity factor, MLA, MTP), GPT and "
+            "HybridModel",
     not_needed_because=_not_needed,
     apply=_apply,
     requires=(layer_census.PATCH.name,),

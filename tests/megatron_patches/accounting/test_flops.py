@@ -141,6 +141,27 @@ def test_patch_replaces_megatron_flops_and_prints_them(capsys):
     assert capsys.readouterr().out.count(f"FLOPs per iteration: {int(expected)}\n") == 1
 
 
+def test_patch_counts_hybrid_models_too(capsys):
+    """A HybridModel run gets the census FLOPs and the printed line, like a GPT run; a pattern
+    with layers the census does not model would keep megatron's formula."""
+    from megatron.training import training
+
+    from megatron_patches import registry
+
+    registry.apply_patches(registry.current_context(True))
+    pattern, overrides = HYBRID_CASES["hybrid-*E*E"]
+    config = cpu.tiny_config(**overrides)
+    model = cpu.build_hybrid(config, pattern, 128)
+    args = argparse.Namespace(hybrid_layer_pattern=pattern, padded_vocab_size=cpu.VOCAB,
+                              micro_batch_size=1, seq_length=128, global_batch_size=BATCH)
+    registry.record_of("layer-census").keep(built_model.make_record([model]))
+    expected = _model_flops(config, model, 128, causal_fraction=0.5)
+    assert training.num_floating_point_operations(args, BATCH) == pytest.approx(expected)
+    assert capsys.readouterr().out.count(f"FLOPs per iteration: {int(expected)}\n") == 1
+    assert flops.unmodelled_families(pattern) == ""
+    assert flops.unmodelled_families("M*E|G-D") == "MGD"
+
+
 def test_mfu_peaks_and_log_line():
     from megatron_patches.accounting import mfu_log as mfu
 

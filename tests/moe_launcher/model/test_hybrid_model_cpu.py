@@ -3,12 +3,14 @@ of the GPT path: the census counts the pattern's layer families as built, checkp
 audit and resume bit-exactly, and a GPT checkpoint of the same weights gives the same loss.
 
 Real pretrain() on CPU processes joined by gloo (moe_launcher/model/hybrid_spec.py's local stack
-spec). FLOPs of hybrid patterns against torch's flop counter: tests/megatron_patches/accounting/test_flops.py.
+spec). FLOPs of hybrid patterns against torch's flop counter: tests/megatron_patches/accounting/test_flops.py;
+here, the FLOPs a real run logs and checkpoints against the counter.
 """
 
 import pytest
+import torch
 
-from _launch import TINY_MODEL, launch, tensorboard_scalars
+from _launch import TINY_MODEL, launch, printed_losses, tensorboard_scalars
 from moe_launcher.checkpoint_files import audit as checkpoint_audit
 
 K = 2  # iterations before the checkpoint; the runs go to 2K
@@ -36,6 +38,35 @@ LAYOUTS = {
 }
 
 
+def counted_flops(pattern: str) -> int:
+    """torch's FlopCounterMode count of one iteration of BASE's model as `pattern` (forward +
+    backward of the global batch, 8 x 64 tokens), with megatron's causal convention (the
+    flops-from-layer-census docstring): half of the S x S matmuls. In this model those are the
+    only batched matmuls (bmm/baddbmm in core attention; every linear layer is an mm)."""
+    import _megatron_cpu as cpu
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config = cpu.tiny_config(num_layers=len(pattern), ffn_hidden_size=128,
+                             gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                             normalization="RMSNorm", num_moe_experts=8, moe_router_topk=2,
+                             moe_ffn_hidden_size=64)
+    model = cpu.build_hybrid(config, pattern, 64, vocab=512)
+    with FlopCounterMode(display=False) as counter:
+        cpu.train_step_loss(model, 8, 64).backward()
+    ops = {str(op): count for op, count in counter.get_flop_counts()["Global"].items()}
+    squares = ops.get("aten.bmm", 0) + ops.get("aten.baddbmm", 0)
+    assert squares and squares % 2 == 0, ops
+    return counter.get_total_flops() - squares // 2
+
+
+def checkpointed_flops(checkpoint) -> tuple[float, object]:
+    """megatron's FLOPs so far saved in a torch_dist checkpoint, and the args saved with it."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(checkpoint))
+    return common["num_floating_point_operations_so_far"], common["args"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_hybrid_trains_saves_audits_and_resumes_bit_exact(layout, tmp_path):
@@ -46,6 +77,11 @@ def test_hybrid_trains_saves_audits_and_resumes_bit_exact(layout, tmp_path):
                           "--tensorboard-dir", str(tmp_path / "tb_full")]).check()
     assert f"[megatron_patches] layer census: {census}" in full.log
     assert "building GPT model" not in full.log
+    if "|" not in pattern and "/" not in pattern:  # the in-process model has no stages, no MTP
+        # The FLOPs the run logs and checkpoints (flops-from-layer-census) are torch's count.
+        flops = counted_flops(pattern)
+        assert f"FLOPs per iteration: {flops}\n" in full.log, full.log[-4000:]
+        assert checkpointed_flops(tmp_path / "full" / f"iter_{K:07d}")[0] == K * flops
 
     assert checkpoint_audit.main([str(tmp_path / "full" / f"iter_{K:07d}")]) == \
         checkpoint_audit.EXIT_COMPLETE
@@ -59,6 +95,37 @@ def test_hybrid_trains_saves_audits_and_resumes_bit_exact(layout, tmp_path):
     assert sorted(after_resume) == list(range(K + 1, 2 * K + 1))
     for iteration, loss in after_resume.items():
         assert loss == uninterrupted[iteration], (iteration, loss, uninterrupted[iteration])
+    for run, written in ((full, uninterrupted), (resumed, after_resume)):
+        assert printed_losses(run.log) == {i: f"{loss:.6E}" for i, loss in written.items()}
+
+
+@pytest.mark.slow
+def test_unpatched_run_logs_megatron_flops_and_averages_its_second_loss(tmp_path):
+    """Two bugs of megatron-core 0.19.2 in one launch (each costs a run): without
+    flops-from-layer-census a hybrid run counts FLOPs with megatron's formula (no router), and
+    without first-log-interval-reset its second line prints the mean of iterations 1 and 2."""
+    patches = ("flops-from-layer-census", "first-log-interval-reset")
+    run = launch(1, [*BASE, "--hybrid-layer-pattern", "*E*E", "--train-iters", "2",
+                     "--save-interval", "2", "--save", str(tmp_path / "ckpt"),
+                     "--tensorboard-dir", str(tmp_path / "tb")],
+                 env={"MEGATRON_PATCHES_DISABLE": ",".join(patches)}).check()
+    for patch in patches:
+        assert f"{patch}: skipped (disabled by MEGATRON_PATCHES_DISABLE)" in run.log
+
+    from megatron.training import training
+
+    from megatron_patches.registry import unwrapped
+    saved, args = checkpointed_flops(tmp_path / "ckpt" / "iter_0000002")
+    megatron = unwrapped(training.num_floating_point_operations)(args, args.global_batch_size)
+    counted = counted_flops("*E*E")
+    assert "FLOPs per iteration" not in run.log
+    assert saved == 2 * megatron and megatron != counted, (saved, megatron, counted)
+
+    losses = tensorboard_scalars(tmp_path / "tb", "lm loss")
+    printed = printed_losses(run.log)
+    mean = (torch.tensor([0.0]) + losses[1] + losses[2]).item() / 2  # megatron's float32 sums
+    assert printed == {1: f"{losses[1]:.6E}", 2: f"{mean:.6E}"}, (printed, losses)
+    assert printed[2] != f"{losses[2]:.6E}"
 
 
 @pytest.mark.slow
