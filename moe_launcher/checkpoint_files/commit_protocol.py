@@ -15,6 +15,7 @@ import re
 import shutil
 
 from moe_launcher.runtime import collectives
+from moe_launcher.runtime.durable_files import fsync_path
 from moe_launcher.runtime.refusals import CheckpointLoadError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -23,18 +24,10 @@ REPLACED_PREFIX = "_replaced_"
 RETIRED_PREFIX = "_retired_"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: str) -> None:
     # The same call as for a directory; a name of its own, so that the file fsyncs each rank
     # does (its own files only) are what tests/_io_count_launch.py counts.
-    _fsync_dir(path)
+    fsync_path(path)
 
 
 # torch_dist and fsdp_dtensor name each rank's files `[<group>]__<rank>_<n>.distcp`.
@@ -65,7 +58,7 @@ def _fsync_unowned(staging: str, world_size: int) -> None:
             writer = _writer_rank(name) if root == staging else None
             if writer is None or not 0 <= writer < world_size:
                 _fsync_file(os.path.join(root, name))
-        _fsync_dir(root)
+        fsync_path(root)
 
 
 def write_tracker(save_dir: str, value: str) -> None:
@@ -78,7 +71,7 @@ def write_tracker(save_dir: str, value: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, tracker)
-    _fsync_dir(save_dir)
+    fsync_path(save_dir)
 
 
 def iteration_dirname(iteration: int, release: bool = False) -> str:
@@ -134,7 +127,7 @@ def recover(save_dir: str) -> list[str]:
                 os.unlink(path)
             done.append(f"removed {name} (an interrupted save)")
     if done:
-        _fsync_dir(save_dir)
+        fsync_path(save_dir)
     return done
 
 
@@ -148,7 +141,7 @@ def commit(save_dir: str, dirname: str, tracker_value: str) -> None:
     if os.path.lexists(final):
         os.rename(final, replaced)
     os.rename(staging, final)
-    _fsync_dir(save_dir)
+    fsync_path(save_dir)
     write_tracker(save_dir, tracker_value)
     if os.path.lexists(replaced):
         shutil.rmtree(replaced, ignore_errors=True)

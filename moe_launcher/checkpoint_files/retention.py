@@ -11,7 +11,8 @@ import os
 import shutil
 import threading
 
-from moe_launcher.checkpoint_files.commit_protocol import RETIRED_PREFIX, _fsync_dir, iteration_dirname
+from moe_launcher.checkpoint_files.commit_protocol import RETIRED_PREFIX, iteration_dirname
+from moe_launcher.runtime.durable_files import fsync_path
 
 
 def remove_retired(path: str) -> None:
@@ -29,7 +30,7 @@ def drop_iteration(save_dir: str, iteration: int) -> None:
     retired = os.path.join(save_dir, RETIRED_PREFIX + dirname)
     try:
         os.rename(source, retired)
-        _fsync_dir(save_dir)
+        fsync_path(save_dir)
         remove_retired(retired)
     except OSError as exc:  # as megatron's own deletion: not fatal to training
         print(f"[megatron_patches] atomic-checkpoint-commit: could not delete {source}: {exc}",

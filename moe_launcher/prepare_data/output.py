@@ -12,6 +12,8 @@ import os
 
 import numpy
 
+from moe_launcher.runtime.durable_files import fsync_path
+
 from .errors import PrepareError
 
 PARTIAL = ".partial"
@@ -57,14 +59,14 @@ class DatasetWriter:
         """Writes the index and makes both files durable, still under their partial names."""
         self.builder.finalize(self.prefix + ".idx" + PARTIAL)
         for ext in (".bin", ".idx"):
-            _fsync(self.prefix + ext + PARTIAL)
+            fsync_path(self.prefix + ext + PARTIAL)
 
     def commit(self) -> None:
         if os.path.exists(self.prefix + ".idx"):
             os.unlink(self.prefix + ".idx")
         os.replace(self.prefix + ".bin" + PARTIAL, self.prefix + ".bin")
         os.replace(self.prefix + ".idx" + PARTIAL, self.prefix + ".idx")
-        _fsync(os.path.dirname(self.prefix) or ".")
+        fsync_path(os.path.dirname(self.prefix) or ".")
 
     def discard(self) -> None:
         self.builder.data_file.close()
@@ -98,11 +100,3 @@ class OutputSet:
     def discard(self) -> None:
         for writer in self.writers.values():
             writer.discard()
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

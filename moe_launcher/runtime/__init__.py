@@ -1,1 +1,2 @@
-"""Runtime pieces every patch and tool shares: collectives, version checks, refusals."""
+"""Runtime pieces every patch and tool shares: collectives, version checks, refusals, durable
+files."""
