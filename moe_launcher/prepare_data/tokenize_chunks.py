@@ -25,7 +25,7 @@ MALFORMED = "malformed JSON"
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSetup:
-    tokenizer: object                # megatron's tokenizer (see tokenizer.py)
+    tokenizer: object                # megatron's HuggingFaceTokenizer (see tokenizer.py)
     keys: tuple[str, ...]
     append_eod: bool
     skip_bad_lines: bool

@@ -1,39 +1,43 @@
 """The tokenizer, loaded exactly as a training run loads it.
 
-A run with `--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR` gets its tokenizer from
-megatron's build_tokenizer with the flags' defaults; the same call here means the same special
-tokens, the same end-of-document id and the same vocabulary size (hence the same .bin dtype)."""
+For `--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR` megatron's build_tokenizer
+wraps megatron's HuggingFaceTokenizer, built with arguments from the flags. The same class with
+the arguments of the flags' defaults is built here: the same AutoTokenizer call and the same
+special tokens added after it, so the same ids, end-of-document id and vocabulary size (hence
+the same .bin dtype). Its transformers tokenizer, for batch calls, is its public `tokenizer`
+(megatron's wrapper keeps the class itself in a private attribute)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import types
 import warnings
+
+from moe_launcher.tokenizer_folder import download_hint, folder_problem, is_hub_id
 
 from .errors import PrepareError
 
-# What megatron's argument parser gives the tokenizer flags a run does not set.
+# The arguments megatron's build_tokenizer gives HuggingFaceTokenizer when a run sets none of
+# --chat-template, --vocab-file, --merge-file, --special-tokens, --tokenizer-hf-no-use-fast,
+# --trust-remote-code, --tokenizer-hf-no-include-special-tokens.
 _TRAINING_DEFAULTS = dict(
-    tokenizer_type="HuggingFaceTokenizer", chat_template=None, vocab_file=None, merge_file=None,
-    special_tokens=None, tokenizer_hf_no_use_fast=False, trust_remote_code=False,
-    tokenizer_hf_no_include_special_tokens=False, metadata_path=None, pad_vocab_size=False,
+    chat_template=None, vocab_file=None, merges_file=None, additional_special_tokens=[],
+    use_fast=True, trust_remote_code=False, include_special_tokens=True,
 )
 
 
 def check_tokenizer_folder(path: str) -> None:
-    """A folder with a tokenizer in it. Checked first: transformers would take any other path
-    for a hub model id and try to download it."""
-    if not os.path.isdir(path):
-        raise PrepareError(f"tokenizer folder {path} does not exist")
-    if not any(os.path.exists(os.path.join(path, name))
-               for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise PrepareError(f"tokenizer folder {path} has neither tokenizer.json nor "
-                           "tokenizer_config.json")
+    """A local folder with a tokenizer in it, checked first (moe_launcher/tokenizer_folder.py)."""
+    problem = folder_problem(path)
+    if problem and is_hub_id(path):
+        raise PrepareError(f"{problem}; fix: `{download_hint(path)}` and pass --tokenizer DIR")
+    if problem:
+        raise PrepareError(problem)
 
 
 def load_tokenizer(path: str):
-    """megatron's tokenizer for `path` (its .tokenize(text) is what training would see)."""
+    """megatron's HuggingFaceTokenizer for `path`, as training builds it (its text_to_ids(text)
+    is training's tokenize(text))."""
     # A local folder only: never reach for a hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
     # Importing megatron on a machine without CUDA, Transformer Engine or Apex warns about each;
@@ -42,22 +46,20 @@ def load_tokenizer(path: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import transformers
-        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+        from megatron.core.tokenizers.text.libraries import HuggingFaceTokenizer
 
     # Documents longer than the model's context are normal in pretraining data; transformers'
     # per-call warning about them says nothing here.
     transformers.logging.set_verbosity_error()
     try:
-        return build_tokenizer(types.SimpleNamespace(tokenizer_model=path, **_TRAINING_DEFAULTS))
+        return HuggingFaceTokenizer(path, **_TRAINING_DEFAULTS)
     except (ValueError, OSError) as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise PrepareError(f"cannot load the tokenizer in {path}: {reason}") from None
 
 
 def hf_tokenizer(tokenizer):
-    """The Hugging Face tokenizer inside megatron's, for batch calls. megatron's tokenize(text)
-    is that tokenizer's `tokenizer(text).input_ids` (special tokens included, the flags'
-    default); a batch call gives the same ids for each text, in one call."""
-    library = tokenizer._tokenizer
-    assert library.include_special_tokens, "built with the training defaults"
-    return library.tokenizer
+    """The transformers tokenizer inside megatron's HuggingFaceTokenizer, for batch calls: with
+    special tokens included (the flags' default) text_to_ids(text) is its
+    `tokenizer(text).input_ids`, so one batch call gives the same ids for each text."""
+    return tokenizer.tokenizer

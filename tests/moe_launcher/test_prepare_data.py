@@ -98,7 +98,11 @@ def _write_corpus(root: Path) -> Corpus:
     head = documents(120)
     bad = [b'{"text": ""}', b'{"id": 7}', b'{"text": "caf\xe9"}', b'{"text": "\\ud800 lone"}',
            b"   ", b'{"text": "cut off', b'{"text": 5}', b"[1, 2]"]
-    plain.write_bytes(b"\n".join(head + bad + documents(130)) + b"\n")
+    tail = documents(130)
+    # The special tokens' text inside a document: megatron's tokenize() gives their ids.
+    texts.append(f"{EOS} opens, {BOS} inside, {EOS}{EOS} at the end {EOS}")
+    tail.append(json.dumps({"text": texts[-1]}).encode())
+    plain.write_bytes(b"\n".join(head + bad + tail) + b"\n")
     for part in range(2):
         with gzip.open(root / f"part-{part}.jsonl.gz", "wb") as f:
             f.write(b"\n".join(documents(150)))  # no newline after the last line
@@ -215,7 +219,8 @@ def test_rerun_over_a_complete_output_refuses(corpus, prepared):
 
 
 @pytest.mark.parametrize("case", ["missing input", "no glob match", "directory input",
-                                  "unknown format", "missing tokenizer", "no output folder"])
+                                  "unknown format", "missing tokenizer", "hub id tokenizer",
+                                  "no output folder"])
 def test_refusals_before_reading(corpus, case, tmp_path):
     """Checked before megatron is even imported: one line, exit 2, nothing written."""
     inputs, tokenizer, prefix = corpus.inputs, str(corpus.tokenizer), str(tmp_path / "out")
@@ -226,6 +231,10 @@ def test_refusals_before_reading(corpus, case, tmp_path):
         "unknown format": f"input {tmp_path}/notes.txt: unknown format (expected .jsonl, "
                           ".jsonl.gz or .parquet)",
         "missing tokenizer": f"tokenizer folder {tmp_path}/no-tokenizer does not exist",
+        "hub id tokenizer": "Qwen/Qwen3-30B-A3B is a Hugging Face hub id, not a local folder: "
+                            "every process that loads it would download it; fix: `hf download "
+                            "Qwen/Qwen3-30B-A3B --include 'tokenizer*' --local-dir DIR` and "
+                            "pass --tokenizer DIR",
         "no output folder": f"output directory {tmp_path}/nowhere does not exist",
     }[case]
     if case == "missing input":
@@ -239,6 +248,8 @@ def test_refusals_before_reading(corpus, case, tmp_path):
         inputs = [str(tmp_path / "notes.txt")]
     elif case == "missing tokenizer":
         tokenizer = str(tmp_path / "no-tokenizer")
+    elif case == "hub id tokenizer":
+        tokenizer = "Qwen/Qwen3-30B-A3B"
     else:
         prefix = str(tmp_path / "nowhere" / "out")
     before = sorted(os.listdir(tmp_path))
