@@ -340,6 +340,28 @@ def check_data_path(args) -> None:
                                  "without .bin/.idx) or --mock-data")
 
 
+@preflight_check("tokenizer-model-folder")
+def check_tokenizer_model_folder(args) -> None:
+    # megatron's HuggingFaceTokenizer hands --tokenizer-model to transformers' AutoTokenizer,
+    # which downloads a hub id: every rank would, a download storm on a cluster and a failure
+    # offline (moe_launcher/tokenizer_folder.py).
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        return
+    from moe_launcher.tokenizer_folder import download_hint, folder_problem
+
+    if args.tokenizer_model is None:
+        raise PreflightError("--tokenizer-model",
+                             "--tokenizer-type HuggingFaceTokenizer without --tokenizer-model; "
+                             "fix: pass --tokenizer-model DIR, a local tokenizer folder "
+                             f"(`{download_hint('')}` makes one)")
+    problem = folder_problem(args.tokenizer_model)
+    if problem:
+        raise PreflightError("--tokenizer-model",
+                             f"--tokenizer-model: {problem}; fix: pass "
+                             "--tokenizer-model DIR, a local folder with the tokenizer "
+                             f"(`{download_hint(args.tokenizer_model)}` makes one)")
+
+
 @preflight_check("router-top-k")
 def check_router_top_k(args) -> None:
     experts, top_k = args.num_experts, args.moe_router_topk

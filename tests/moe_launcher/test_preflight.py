@@ -68,6 +68,13 @@ CASES = {
     # The local HybridModel spec builds attention, dense MLP and MoE layers only.
     "hybrid-family-without-transformer-engine": (1, ["--hybrid-layer-pattern", "*M*E"],
                                                  "--hybrid-layer-pattern"),
+    # megatron's HuggingFaceTokenizer would download a hub id on every rank.
+    "tokenizer-model-is-a-hub-id": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                        "--tokenizer-model", "Qwen/Qwen3-30B-A3B"],
+                                    "--tokenizer-model"),
+    "tokenizer-model-folder-without-a-tokenizer": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
+                                                       "--tokenizer-model", str(REPO / "examples")],
+                                                   "--tokenizer-model"),
 }
 # Counted in the report: every case is a bad input that must be refused.
 BAD_INPUTS_TRIED = len(CASES) + 2  # + the unsupported megatron-core install + the torchrun case
