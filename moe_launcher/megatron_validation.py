@@ -8,7 +8,8 @@ run, unchanged, before process groups, model or checkpoint exist, and a failure 
 
 megatron's `parse_and_validate_args` sets its globals (tokenizer, TensorBoard writer, which
 creates --tensorboard-dir) between validating and the config, so the pieces run here in an
-order where every check comes before anything is written.
+order where every check comes before anything is written: validation, the tokenizer (whose
+vocabulary the config takes), the config, then the globals that write.
 """
 
 from __future__ import annotations
@@ -119,12 +120,25 @@ def pretrain_config(args: argparse.Namespace):
         return pretrain_cfg_container_from_args(args, config)
 
 
+def build_megatron_tokenizer(args: argparse.Namespace) -> None:
+    """megatron's tokenizer for validated args, built where megatron's parse_and_validate_args
+    builds it: after validation and before the model config, which takes its vocabulary size
+    from it (megatron sets --padded-vocab-size from the tokenizer's vocabulary, e.g. a
+    HuggingFaceTokenizer's len(tokenizer)), so a run names its tokenizer and no --vocab-size.
+    megatron's rebuild_tokenizer keeps it as megatron's tokenizer (set_megatron_globals does not
+    build another). A tokenizer that cannot be built is refused."""
+    from megatron.training.global_vars import rebuild_tokenizer
+
+    with megatron_refusals():
+        rebuild_tokenizer(args)
+
+
 def set_megatron_globals(args: argparse.Namespace) -> None:
-    """megatron's globals (tokenizer, loggers); a tokenizer that cannot be built is refused."""
+    """megatron's other globals (loggers, timers); the tokenizer is build_megatron_tokenizer's."""
     from megatron.training.global_vars import set_global_variables
 
     with megatron_refusals():
-        set_global_variables(args)
+        set_global_variables(args, build_tokenizer=False)
 
 
 def _parser_errors_refused(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -153,12 +167,14 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 def checked_command_line(argv: list[str]):
     """Every check a command line gets before any work: megatron's parser, this project's
-    preflight checks (moe_launcher.preflight, .checkpoint_paths, .dependencies), megatron's validation
-    and its config construction. Returns (args, pretrain config); raises PreflightError."""
+    preflight checks (moe_launcher.preflight, .checkpoint_paths, .dependencies), megatron's validation,
+    its tokenizer and its config construction. Returns (args, pretrain config); raises
+    PreflightError."""
     # Importing the check modules registers their checks.
     from moe_launcher import checkpoint_paths, dependencies, preflight  # noqa: F401
 
     args = parse_command_line(argv)
     preflight.check_args(args)
     args = validated_args(args)
+    build_megatron_tokenizer(args)
     return args, pretrain_config(args)

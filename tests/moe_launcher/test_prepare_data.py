@@ -384,16 +384,20 @@ def _without(args: list[str], flags: set[str], valued: set[str]) -> list[str]:
 
 
 def test_trains_on_the_prepared_data(corpus, prepared, tmp_path):
-    """The output, named as train.sh names it (DATA_PATH, TOKENIZER_MODEL), trains 2 ranks."""
+    """The output, named as train.sh names it (DATA_PATH, TOKENIZER_MODEL, no --vocab-size),
+    trains 2 ranks; the model's vocabulary is the tokenizer's, padded as megatron pads it."""
     from tokenizers import Tokenizer
 
     model = _without(TINY_MODEL, {"--mock-data"}, {"--tokenizer-type", "--vocab-size"})
-    # The launcher's preflight builds megatron's model config before the tokenizer exists, so
-    # it needs the vocabulary size on the command line.
-    vocab = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
-    launch(2, [*model, "--data-path", prepared["one"] + "_text_document",
-               "--tokenizer-type", "HuggingFaceTokenizer", "--vocab-size", str(vocab),
-               "--tokenizer-model", str(corpus.tokenizer), "--split", "98,2,0",
-               "--data-cache-path", str(tmp_path / "cache"), "--expert-model-parallel-size", "2",
-               "--train-iters", "3", "--tensorboard-dir", str(tmp_path / "tb")]).check()
+    run = launch(2, [*model, "--data-path", prepared["one"] + "_text_document",
+                     "--tokenizer-type", "HuggingFaceTokenizer",
+                     "--tokenizer-model", str(corpus.tokenizer), "--split", "98,2,0",
+                     "--data-cache-path", str(tmp_path / "cache"),
+                     "--expert-model-parallel-size", "2", "--train-iters", "3",
+                     "--tensorboard-dir", str(tmp_path / "tb")])
+    run.check()
     assert sorted(tensorboard_scalars(tmp_path / "tb", "lm loss")) == [1, 2, 3]
+    vocab = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
+    padded = -(-vocab // 128) * 128  # --make-vocab-size-divisible-by 128 at TP 1
+    assert (f"padded vocab (size: {vocab}) with {padded - vocab} dummy tokens (new size: "
+            f"{padded})") in run.log, run.log[-3000:]
