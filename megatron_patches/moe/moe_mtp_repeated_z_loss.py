@@ -93,6 +93,7 @@ def _apply() -> None:
             self.config.moe_z_loss_coeff = coeff
 
     apply_z_loss._per_repeated_layer = True
+    apply_z_loss.__wrapped_by__ = "moe-mtp-repeated-z-loss"  # registry.wrapped_by
     TopKRouter.apply_z_loss = apply_z_loss
 
 

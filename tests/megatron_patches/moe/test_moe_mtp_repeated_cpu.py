@@ -2,9 +2,14 @@
 the logged aux loss is averaged over the MoE layers built, the repeated one counted once
 (moe-aux-loss-per-built-layer), and its router's z-loss gradient is the logged z-loss's, i.e.
 divided by the depths (moe-mtp-repeated-z-loss). megatron-core 0.19.2 divides by 2 decoder
-layers + mtp_num_layers, and applies the full z-loss gradient once per depth."""
+layers + mtp_num_layers, and applies the full z-loss gradient once per depth: with moe-mtp-repeated-z-loss left
+out (megatron's own TopKRouter.apply_z_loss) the MTP router's gradient is DEPTHS times the one
+of the logged z-loss."""
 
+import pytest
 import torch
+
+import _unpatched
 
 import _megatron_cpu as cpu
 from megatron_patches import registry
@@ -44,8 +49,10 @@ def test_logged_aux_loss_counts_a_repeated_mtp_layer_once():
     torch.testing.assert_close(total_loss["load_balancing_loss"], recorded.mean())
 
 
-def test_repeated_mtp_router_z_loss_gradient_is_divided_by_the_depths():
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_repeated_mtp_router_z_loss_gradient_is_divided_by_the_depths(patched, monkeypatch):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.moe.router import TopKRouter
 
     coeff = 1e-2
     # Only the z-loss reaches the MTP router: no load-balancing loss, MTP and LM losses scaled 0.
@@ -53,6 +60,8 @@ def test_repeated_mtp_router_z_loss_gradient_is_divided_by_the_depths():
                                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=coeff,
                                           mtp_loss_scaling_factor=0.0)
     assert statuses["moe-mtp-repeated-z-loss"].applied
+    if not patched:
+        _unpatched.leave_out(monkeypatch, "moe-mtp-repeated-z-loss", TopKRouter, "apply_z_loss")
     router = model.mtp.layers[0].mtp_model_layer.mlp.router
     logits_per_depth = []
     apply_z_loss = router.apply_z_loss
@@ -73,4 +82,9 @@ def test_repeated_mtp_router_z_loss_gradient_is_divided_by_the_depths():
     (expected,) = torch.autograd.grad(coeff * z_loss / DEPTHS, router.weight, retain_graph=True)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     (loss * 0).backward()
-    torch.testing.assert_close(router.weight.grad, expected)
+    # megatron's own attaches the full z-loss at every depth: DEPTHS times the logged one's
+    applied = expected if patched else expected * DEPTHS
+    print(f"{'patched' if patched else 'unpatched'}: |MTP router z-loss grad| "
+          f"{router.weight.grad.norm():.4g}, of the logged z-loss {expected.norm():.4g}")
+    assert expected.norm() > 0
+    torch.testing.assert_close(router.weight.grad, applied)
