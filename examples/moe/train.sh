@@ -8,10 +8,11 @@
 #   DRY_RUN=1 RECIPE=qwen3_30b_a3b_fsdp bash examples/moe/train.sh    # check layout, no training
 #
 # Environment: RECIPE (default tiny_cpu), DATA_PATH (megatron --data-path value, blends allowed;
-# unset -> mock data), TOKENIZER_MODEL, CKPT_DIR (default runs/$RECIPE/ckpt), WANDB_PROJECT,
-# WANDB_EXP_NAME, EXTRA_ARGS (extra megatron flags, appended last, so they override the recipe),
-# NPROC (local ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if
-# present, else python), NODES / GPUS_PER_NODE (override the recipe's size), LOG_INTERVAL
+# unset -> mock data), TOKENIZER_MODEL (with DATA_PATH: the local tokenizer folder it was
+# tokenized with), CKPT_DIR (default runs/$RECIPE/ckpt), WANDB_PROJECT, WANDB_EXP_NAME,
+# EXTRA_ARGS (extra megatron flags, appended last, so they override the recipe), NPROC (local
+# ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if present, else
+# python), NODES / GPUS_PER_NODE (override the recipe's size), LOG_INTERVAL
 # (default 1), DRY_RUN=1, CONTAINER_IMAGE (pyxis/enroot image for srun), CONTAINER_MOUNTS (extra
 # src:dst[,...] mounts), MASTER_ADDR (default the job's first node), MASTER_PORT. A recipe's
 # RUN_ENV (e.g. CUDA_DEVICE_MAX_CONNECTIONS=1 for TP without FSDP) is exported for every rank
@@ -84,6 +85,7 @@ NODES=1
 GPUS_PER_NODE=8
 VOCAB_SIZE=
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
+TOKENIZER_HUB_ID=  # a GPU recipe's published tokenizer, named in the download hint
 IMPL_ARGS=()
 MODEL_ARGS=()
 LAYOUT_ARGS=()
@@ -94,8 +96,25 @@ source "$RECIPE_DIR/$RECIPE.sh"
 NODES=${env_nodes:-$NODES}
 GPUS_PER_NODE=${env_gpus:-$GPUS_PER_NODE}
 
+# DATA_PATH's tokens come from a local tokenizer folder (prepare_data's --tokenizer), which every
+# rank loads: megatron's HuggingFaceTokenizer would download anything else from the Hugging Face
+# hub, on every rank. In a container the path is the container's: there pretrain_moe.py's
+# preflight checks it, on every rank, before any work.
+check_tokenizer_model() {
+  local fix="set TOKENIZER_MODEL to the local tokenizer folder that DATA_PATH was tokenized with (prepare_data's --tokenizer)"
+  if [[ -n $TOKENIZER_HUB_ID ]]; then
+    fix+="; recipe $RECIPE's tokenizer is published as $TOKENIZER_HUB_ID: \`hf download $TOKENIZER_HUB_ID --include 'tokenizer*' --local-dir DIR\` makes that folder"
+  fi
+  [[ -n $TOKENIZER_MODEL ]] || die "DATA_PATH is set but TOKENIZER_MODEL is not; fix: $fix"
+  [[ -z ${CONTAINER_IMAGE:-} ]] || return 0
+  [[ -d $TOKENIZER_MODEL ]] ||
+    die "TOKENIZER_MODEL=$TOKENIZER_MODEL is not a local folder (megatron would download a hub id on every rank); fix: $fix"
+  [[ -f $TOKENIZER_MODEL/tokenizer.json || -f $TOKENIZER_MODEL/tokenizer_config.json ]] ||
+    die "TOKENIZER_MODEL=$TOKENIZER_MODEL has neither tokenizer.json nor tokenizer_config.json; fix: $fix"
+}
+
 if [[ -n "${DATA_PATH:-}" ]]; then
-  [[ -n "$TOKENIZER_MODEL" ]] || die "DATA_PATH is set but recipe $RECIPE names no tokenizer; set TOKENIZER_MODEL"
+  check_tokenizer_model
   read -ra data_path <<< "$DATA_PATH"
   DATA_ARGS=(--data-path "${data_path[@]}" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
 else

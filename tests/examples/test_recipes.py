@@ -55,7 +55,7 @@ ALL_RECIPES = {**GPU_RECIPES,
 def clean_env(**extra: str) -> dict[str, str]:
     """The caller's environment without Slurm or launcher overrides."""
     drop = {"RECIPE", "DRY_RUN", "NODES", "GPUS_PER_NODE", "NPROC", "EXTRA_ARGS", "DATA_PATH",
-            "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE", "CUDA_DEVICE_MAX_CONNECTIONS",
+            "TOKENIZER_MODEL", "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE", "CUDA_DEVICE_MAX_CONNECTIONS",
             "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT"}
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env["PYTHON"] = sys.executable
@@ -268,6 +268,37 @@ def test_a_finished_run_says_so_and_how_to_train_further(tmp_path):
     assert "[train.sh] command:" not in out.stdout
     resumed = train_sh("--print-args", CKPT_DIR=str(tmp_path), TRAIN_ITERS="30")
     assert "--exit-signal-handler" in resumed.stdout.split("\0")
+
+
+@pytest.mark.parametrize("tokenizer", ["unset", "hub id", "folder without a tokenizer"])
+def test_data_path_needs_a_local_tokenizer_folder(tokenizer, tmp_path):
+    """With DATA_PATH every rank loads TOKENIZER_MODEL, and megatron would download a hub id on
+    each: anything but a local tokenizer folder is refused before anything starts, in one line
+    that names the recipe's published tokenizer and how to download it."""
+    env = {"hub id": {"TOKENIZER_MODEL": "Qwen/Qwen3-30B-A3B"},
+           "folder without a tokenizer": {"TOKENIZER_MODEL": str(tmp_path)}}.get(tokenizer, {})
+    out = train_sh("--print-args", RECIPE="qwen3_30b_a3b_pp",
+                   DATA_PATH=str(tmp_path / "corpus_text_document"), **env)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("train.sh: "), out.stderr
+    assert "TOKENIZER_MODEL" in out.stderr
+    assert "`hf download Qwen/Qwen3-30B-A3B --include 'tokenizer*' --local-dir DIR`" in out.stderr
+
+
+def test_data_path_takes_the_tokenizer_folder_and_no_vocab_size(tmp_path):
+    """The folder reaches megatron as --tokenizer-model with no --vocab-size (the vocabulary is
+    the tokenizer's); tiny_cpu names no tokenizer and keeps the caller's. In a container the
+    path is the container's, left to the launcher's preflight there."""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    data = dict(DATA_PATH="/data/corpus_text_document")
+    for recipe, tokenizer, env in (("tiny_cpu", str(tmp_path), {}),
+                                   ("qwen3_30b_a3b_pp", str(tmp_path), {}),
+                                   ("qwen3_30b_a3b_pp", "/in/the/image", {"CONTAINER_IMAGE": "x"})):
+        flags, _ = resolved(recipe, TOKENIZER_MODEL=tokenizer, **data, **env)
+        values = flag_values(flags)
+        assert values["--tokenizer-type"] == "HuggingFaceTokenizer"
+        assert values["--tokenizer-model"] == tokenizer
+        assert "--vocab-size" not in values and "--mock-data" not in values
 
 
 # ------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@
 # before YaRN extension, so plain RoPE at sequence length 4096 here (megatron's fused RoPE for
 # MLA needs YaRN, hence --no-rope-fusion).
 VOCAB_SIZE=102400
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-deepseek-ai/DeepSeek-V2-Lite}
+# The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
+TOKENIZER_HUB_ID=deepseek-ai/DeepSeek-V2-Lite
 MODEL_ARGS=(
   --num-layers 27 --hidden-size 2048 --ffn-hidden-size 10944
   --num-attention-heads 16 --multi-latent-attention

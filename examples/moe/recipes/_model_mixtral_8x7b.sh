@@ -5,7 +5,8 @@
 # load-balancing loss 0.02 (router_aux_loss_coef), RoPE theta 1e6, vocab 32000, untied
 # embeddings. Trained here at sequence length 4096.
 VOCAB_SIZE=32000
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-mistralai/Mixtral-8x7B-v0.1}
+# The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
+TOKENIZER_HUB_ID=mistralai/Mixtral-8x7B-v0.1
 MODEL_ARGS=(
   --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
   --num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128

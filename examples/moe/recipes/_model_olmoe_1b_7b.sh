@@ -6,7 +6,8 @@
 # embeddings, sequence length 4096. Difference: OLMoE normalises q/k over the full projection,
 # megatron's --qk-layernorm per head.
 VOCAB_SIZE=50304
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-allenai/OLMoE-1B-7B-0924}
+# The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
+TOKENIZER_HUB_ID=allenai/OLMoE-1B-7B-0924
 MODEL_ARGS=(
   --num-layers 16 --hidden-size 2048 --ffn-hidden-size 1024
   --num-attention-heads 16 --qk-layernorm

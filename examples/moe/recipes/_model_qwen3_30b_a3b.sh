@@ -5,7 +5,8 @@
 # over the top-k logits, megatron's default), no shared expert, RMSNorm 1e-6, RoPE theta 1e6,
 # vocab 151936, untied embeddings. Trained here at sequence length 4096.
 VOCAB_SIZE=151936
-TOKENIZER_MODEL=${TOKENIZER_MODEL:-Qwen/Qwen3-30B-A3B}
+# The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
+TOKENIZER_HUB_ID=Qwen/Qwen3-30B-A3B
 MODEL_ARGS=(
   --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144
   --num-attention-heads 32 --group-query-attention --num-query-groups 4 --kv-channels 128

@@ -7,7 +7,6 @@
 NODES=1
 GPUS_PER_NODE=4
 VOCAB_SIZE=1024
-TOKENIZER_MODEL=
 IMPL_ARGS=()
 MODEL_ARGS=(
   --num-layers 4 --hidden-size 128 --ffn-hidden-size 512 --num-attention-heads 4
