@@ -337,6 +337,31 @@ def test_dockerignore_keeps_venvs_out():
     assert ".venv" in lines and ".git" in lines and "runs" in lines
 
 
+def test_docker_build_checks_what_no_deps_leaves_out(tmp_path):
+    """The image installs the tokenizer stack with --no-deps over the NGC image's packages; the
+    build's check passes here (pip resolved this environment) and names a requirement that is
+    missing or too old."""
+    from importlib.metadata import version
+
+    stack = ["transformers", "tokenizers", "pyarrow", "tqdm"]
+    assert f"python scripts/check_requirements.py {' '.join(stack)}" in (
+        ROOT / "Dockerfile").read_text()
+    script = str(ROOT / "scripts" / "check_requirements.py")
+    ok = subprocess.run([sys.executable, script, *stack], capture_output=True, text=True)
+    assert (ok.returncode, ok.stderr) == (0, "")
+    metadata = tmp_path / "needs_more-1.0.dist-info"
+    metadata.mkdir()
+    (metadata / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: needs-more\nVersion: 1.0\n"
+        "Requires-Dist: no-such-package>=1\nRequires-Dist: tqdm>=999\n")
+    bad = subprocess.run([sys.executable, script, "needs-more"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert bad.returncode == 1
+    assert bad.stderr.splitlines() == [
+        "check_requirements: needs-more needs no-such-package>=1: not installed",
+        f"check_requirements: needs-more needs tqdm>=999: {version('tqdm')} is installed"]
+
+
 # ------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
