@@ -105,6 +105,7 @@ def _apply() -> None:
         return megatron_print(message)
 
     print_rank_last._with_mfu = True
+    print_rank_last.__wrapped_by__ = "mfu-log"  # registry.wrapped_by
     training.print_rank_last = print_rank_last
 
 

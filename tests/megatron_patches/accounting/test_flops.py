@@ -190,3 +190,44 @@ def test_mfu_patch_says_once_on_cpu(capsys):
     training.print_rank_last(line)
     out = capsys.readouterr().out
     assert out.count("MFU: not reported") == 1 and out.count(line) == 2
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_mfu_in_the_iteration_line_and_tensorboard_only_with_the_patch(patched, monkeypatch,
+                                                                      capsys, tmp_path):
+    """The line megatron's training_log prints through training.print_rank_last, on a device
+    with a known peak (an H100 SXM, 989 dense bf16 TFLOP/s; this machine has no GPU): with
+    mfu-log it carries MFU and TensorBoard gets 'mfu'; with the patch left out (megatron's own
+    print_rank_last) neither exists (the missing feature)."""
+    import types
+
+    from megatron.training import global_vars, training
+    from torch.utils.tensorboard import SummaryWriter
+
+    import _unpatched
+    from _launch import tensorboard_scalars
+    from megatron_patches.accounting import mfu_log as mfu
+
+    _unpatched.apply_all()
+    if not patched:
+        _unpatched.leave_out(monkeypatch, "mfu-log", training, "print_rank_last")
+    monkeypatch.setattr(mfu, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    writer = SummaryWriter(str(tmp_path))
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS",
+                        types.SimpleNamespace(log_timers_to_tensorboard=True))
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", writer)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
+    # megatron-core 0.19.2 training_log's format (training.py), iteration 3 of 10
+    line = (" iteration {:8d}/{:8d} |".format(3, 10)
+            + " elapsed time per iteration (ms): 10.0 |"
+            + f" throughput per GPU (TFLOP/s/GPU): {494.5:.1f} |" + " global batch size:     8 |")
+    training.print_rank_last(line)
+    writer.flush()
+    out = capsys.readouterr().out
+    scalars = tensorboard_scalars(tmp_path, "mfu")
+    if patched:
+        assert "(TFLOP/s/GPU): 494.5 | MFU: 50.0% | global batch" in out, out
+        assert scalars == {3: pytest.approx(0.5)}
+    else:
+        assert line in out and "MFU" not in out, out
+        assert scalars == {}
