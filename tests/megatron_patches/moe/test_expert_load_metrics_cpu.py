@@ -78,3 +78,32 @@ def test_expert_load_equals_a_direct_count(capacity_factor, tmp_path):
 
     expert_load_metrics.report(8, args, None, None, lines.append)
     assert lines == []  # nothing routed since the last report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_pretrain_logs_expert_load_only_with_the_patch(patched, tmp_path):
+    """A real pretrain() run (1 rank, 2 iterations, the tiny MoE): with the patch every log
+    interval prints the expert-load line and TensorBoard gets the per-layer scalars, whose mean
+    is the tokens routed per expert (global batch x sequence x top-k / experts; no capacity
+    factor, so none dropped). With MEGATRON_PATCHES_DISABLE=expert-load-metrics megatron-core
+    0.19.2 logs neither (the missing feature, Megatron-LM #2398)."""
+    from _launch import TINY_MODEL, launch
+
+    tensorboard = tmp_path / "tb"
+    log = launch(1, [*TINY_MODEL, "--train-iters", "2", "--tensorboard-dir", str(tensorboard)],
+                 env={"MEGATRON_PATCHES_DISABLE": "" if patched else "expert-load-metrics"}
+                 ).check().log
+    status = "applied" if patched else "skipped (disabled by MEGATRON_PATCHES_DISABLE)"
+    assert f"[megatron_patches] expert-load-metrics: {status}" in log, log[-3000:]
+    flag = lambda name: int(TINY_MODEL[TINY_MODEL.index(name) + 1])  # noqa: E731
+    tokens = flag("--global-batch-size") * flag("--seq-length")
+    mean = tokens * flag("--moe-router-topk") / flag("--num-experts")
+    lines = [line for line in log.splitlines() if "[expert load]" in line]
+    means = tensorboard_scalars(tensorboard, "expert_load/tokens_mean/layer_1")
+    if patched:
+        assert len(lines) == 2 and "2 MoE layers" in lines[0] and f"mean {mean:.1f} |" in lines[0]
+        assert means == {1: mean, 2: mean}
+    else:
+        assert lines == [] and means == {}
+        assert tensorboard_scalars(tensorboard, "lm loss")  # TensorBoard was written
