@@ -65,9 +65,10 @@ def main(argv: list[str]) -> None:
     pretrain(config, train_valid_test_datasets, ModelType.encoder_or_decoder, forward_step)
 
 
-if __name__ == "__main__":
+def run(argv: list[str]) -> None:
+    """main() with the launcher's refusals: one line, no traceback, the exit status."""
     try:
-        main(sys.argv[1:])
+        main(argv)
     except PreflightError as error:
         # Every rank refuses; rank 0 says why. The others linger a moment so that torchrun,
         # which stops the job at the first exit, does not stop rank 0 before it has printed.
@@ -87,3 +88,7 @@ if __name__ == "__main__":
             import time
             time.sleep(2)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])

@@ -14,8 +14,13 @@ COMMIT_HOOK=<point>:<dirname>:<action>
                          deletion thread) at once, or training would go on for that second and
                          could commit one or two more iterations first
           wait=<file>    create <file>.reached, then wait until <file> exists
+          raise=<ERRNO>  raise OSError(errno.<ERRNO>) there, as the filesystem would (ESTALE:
+                         an NFS handle gone stale; ENOSPC: a full disk)
+
+The run goes through pretrain_moe.run, so a refused save ends as users see it: one line per rank.
 """
 
+import errno
 import functools
 import os
 import signal
@@ -43,6 +48,9 @@ def _act(action: str) -> None:
         if threading.current_thread() is threading.main_thread():
             time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
+    if action.startswith("raise="):
+        code = getattr(errno, action.removeprefix("raise="))
+        raise OSError(code, os.strerror(code))
     gate = action.removeprefix("wait=")
     open(gate + ".reached", "w").close()
     while not os.path.exists(gate):
@@ -71,4 +79,4 @@ if __name__ == "__main__":
         cpu_backend.activate()
     if os.environ.get("COMMIT_HOOK"):
         _install(os.environ["COMMIT_HOOK"])
-    pretrain_moe.main(sys.argv[1:])
+    pretrain_moe.run(sys.argv[1:])

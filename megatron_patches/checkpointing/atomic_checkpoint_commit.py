@@ -51,6 +51,8 @@ from moe_launcher.runtime import collectives
 from moe_launcher.runtime.refusals import CheckpointLoadError, CheckpointSaveError
 
 COMMIT_MARK = "_megatron_patches_checkpoint_commit"
+# Where a save that fails for a reason other than room leaves its traceback, one file per rank.
+SAVE_FAILURES = "_save_failures"
 
 
 def own(claims: WriterClaims, save_dir: str, create: bool) -> None:
@@ -156,6 +158,115 @@ def _room(save_dir: str) -> str:
     return ", ".join(parts) or "free space unknown"
 
 
+# A save that failed for want of room, by errno: what ran out, and what to do about it.
+_OUT_OF_ROOM = {
+    errno.ENOSPC: ("no space left on the device", "free space in (or point --save away from)"),
+    errno.EDQUOT: ("disk quota exceeded", "free space in your quota for (or point --save away "
+                                          "from)"),
+    errno.EFBIG: ("file too large", "raise the file-size limit (ulimit -f) or point --save at "
+                                    "a filesystem that takes larger files than"),
+}
+# Without a previous checkpoint to measure the save by, a filesystem with less than this free
+# is taken as full.
+_FULL_WITHOUT_MEASURE = 64 * 2**20
+
+
+def _exceptions_in(exc: BaseException):
+    """`exc`, its causes and contexts, and the per-rank exceptions torch's CheckpointException
+    carries in `failures` ({rank: (exception, traceback summary)})."""
+    seen, todo = set(), [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()
+                     if isinstance(f, (tuple, BaseException))]
+
+
+def _file_sizes(directory: str) -> list[int]:
+    sizes = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                sizes.append(os.path.getsize(os.path.join(root, name)))
+    return sizes
+
+
+def _short_of_room(exc: BaseException, save_dir: str, kept: str | None,
+                   staging: str) -> tuple[str, str] | None:
+    """(what ran out, the fix) when the save failed for want of room, else None.
+
+    An errno (ENOSPC, EDQUOT, EFBIG) anywhere in the exception chain, or as text in another
+    rank's error, decides. megatron-core 0.19.2 loses it for tensor files: torch's zip writer
+    reports a failed write as a RuntimeError ("unexpected pos ..."), and megatron's writer
+    replaces a worker's error by the name of its type. So the room is also measured, against
+    what the save needs: the checkpoint the tracker names (same model, same layout). Called
+    before the partial directory is removed (its files show a file-size limit reached)."""
+    for current in _exceptions_in(exc):
+        if isinstance(current, OSError) and current.errno in _OUT_OF_ROOM:
+            return _OUT_OF_ROOM[current.errno]
+    text = str(exc)
+    for code, verdict in _OUT_OF_ROOM.items():
+        if f"[Errno {code}]" in text:
+            return verdict
+    import resource
+
+    previous = _file_sizes(os.path.join(save_dir, kept)) if kept else []
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and max(previous + _file_sizes(staging), default=0) >= limit:
+        what, fix = _OUT_OF_ROOM[errno.EFBIG]
+        return f"{what}: a checkpoint file reaches the file-size limit", fix
+    try:
+        free = shutil.disk_usage(save_dir).free
+    except OSError:
+        return None
+    need = sum(previous)
+    if free < (need or _FULL_WITHOUT_MEASURE):
+        what, fix = _OUT_OF_ROOM[errno.ENOSPC]
+        measure = (f"{kept} takes {need // 2**20} MiB" if need else
+                   f"under {_FULL_WITHOUT_MEASURE // 2**20} MiB free")
+        return f"{what}: {measure}", fix
+    return None
+
+
+def _write_traceback(exc: BaseException, save_dir: str, dirname: str) -> str:
+    """Writes the full traceback of a failed save to a file and returns its path: under --save
+    (a cluster's shared filesystem, readable from the login node), else the working directory
+    (Slurm's submit directory), else the temporary directory of this host. Returns '' when no
+    file could be written (the traceback then goes to stderr)."""
+    import datetime
+    import socket
+    import tempfile
+    import traceback
+
+    rank = collectives.rank()
+    header = (f"saving {dirname} to {save_dir} failed on rank {rank}, host "
+              f"{socket.gethostname()}, pid {os.getpid()}, job "
+              f"{os.environ.get('SLURM_JOB_ID', '-')}, at "
+              f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}\n\n")
+    text = header + "".join(traceback.format_exception(exc))
+    name = f"{dirname}.rank{rank}.txt"
+    for folder in (os.path.join(save_dir, SAVE_FAILURES), os.path.join(os.getcwd(), SAVE_FAILURES),
+                   tempfile.gettempdir()):
+        path = os.path.join(folder, name if folder.endswith(SAVE_FAILURES)
+                            else f"pretrain_moe_save_failure_{name}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    import sys
+    print(text, file=sys.stderr, flush=True)
+    return ""
+
+
 def _say_if_retention_not_deferred(checkpointing, margs, said: set[str]) -> None:
     if (getattr(margs, "save_retain_interval", None) and collectives.rank() == 0
             and not hasattr(checkpointing, "_async_delete_checkpoint_impl")
@@ -222,14 +333,16 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
             raise
         except BaseException as exc:  # torch's CheckpointException is a BaseException
             retention.abandoned()
-            if rank0:
-                shutil.rmtree(staging, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    os.unlink(scratch)
             try:
                 kept = read_tracker(save_dir)
             except CheckpointLoadError:
                 kept = None
+            room = None if _is_deliberate_refusal(exc) else _short_of_room(
+                exc, save_dir, kept, staging)
+            if rank0:
+                shutil.rmtree(staging, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.unlink(scratch)
             state = (f"{dirname} was committed before the failure ({TRACKER} names it)"
                      if kept == dirname else
                      f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
@@ -237,9 +350,16 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
             if _is_deliberate_refusal(exc):  # e.g. a checkpoint guard: its message has the fix
                 fix = (f"; {state}. Fix: as the refusal says; the run can resume with --load "
                        f"{save_dir}")
-            else:
-                fix = (f"({_room(save_dir)}); {state}. Fix: free space in (or point --save away "
-                       f"from) {save_dir}, then resume with --load {save_dir}")
+            elif room is not None:
+                what, remedy = room
+                fix = (f"({what}; {_room(save_dir)}); {state}. Fix: {remedy} {save_dir}, then "
+                       f"resume with --load {save_dir}")
+            else:  # not a matter of room: the full traceback says what failed
+                written = _write_traceback(exc, save_dir, dirname)
+                where = (f"full traceback in {written}" if written else
+                         "full traceback above: no file could be written for it")
+                fix = (f"({where}); {state}. Fix: what the traceback shows; then resume with "
+                       f"--load {save_dir}")
             raise CheckpointSaveError(
                 f"saving iteration {iteration} to {save_dir} failed on rank {collectives.rank()}: "
                 f"{_first_line(exc)} {fix}") from exc

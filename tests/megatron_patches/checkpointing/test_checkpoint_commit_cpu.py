@@ -7,11 +7,15 @@ tests/_commit_hooks_launch.py (a kill, or a pause, at a named step of the commit
   test_checkpoint_commit.py, with a real second process holding the directory.)
 * With --save-retain-interval, a crash at every step of a save that drops the older iteration
   leaves the tracker naming a complete checkpoint, and each restart resumes from it.
+* A save that fails for a reason other than room (a stale NFS handle at the commit) is reported
+  with its own error, not as a full disk, and its traceback is in a file the message names.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
 import time
 from pathlib import Path
@@ -19,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from _launch import REPO, TINY_MODEL, LiveRun, launch
+from megatron_patches.checkpointing.atomic_checkpoint_commit import SAVE_FAILURES
 from moe_launcher.checkpoint_files.commit_protocol import TRACKER
 from moe_launcher.checkpoint_files.file_checks import file_problems
 from moe_launcher.checkpoint_files.writer_claim import WRITER_LOCK
@@ -115,3 +120,27 @@ def test_crash_at_every_step_of_a_retaining_save_keeps_a_loadable_tracker(tmp_pa
     assert kept == ["iter_0000002", "iter_0000004", TRACKER], kept
     print(f"\n[commit] retention: {len(steps)} crashes, tracker complete after each, "
           f"{time.monotonic() - started:.0f}s")
+
+
+def test_a_save_failing_for_another_reason_than_room_keeps_its_error_and_traceback(tmp_path):
+    save = tmp_path / "ckpt"
+    run = LiveRun([*ARGS, "--train-iters", "2", "--save", str(save)], nproc=1, script=HOOKED,
+                  env={"COMMIT_HOOK": "commit:iter_0000002:raise=ESTALE"})
+    log = run.finish(300)
+    assert run.proc.returncode == 1, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("pretrain_moe: error:")]
+    assert len(errors) == 1, log[-3000:]
+    error = errors[0]
+    assert f"saving iteration 2 to {save} failed on rank 0: OSError: [Errno {errno.ESTALE}] " \
+           f"{os.strerror(errno.ESTALE)}" in error, error
+    assert "free space" not in error and "MiB free" not in error, error
+    found = re.search(r"full traceback in (\S+)\)", error)
+    assert found, error
+    written = Path(found.group(1))
+    assert written == save / SAVE_FAILURES / "iter_0000002.rank0.txt", error
+    text = written.read_text()
+    assert "Traceback (most recent call last)" in text and "commit_protocol.commit(" in text, text
+    assert text.rstrip().endswith(f"OSError: [Errno {errno.ESTALE}] {os.strerror(errno.ESTALE)}"), text
+    assert "Traceback" not in log.replace(error, ""), log[-3000:]  # one line, no traceback
+    assert tracked(save) == "iter_0000001" and not list(save.glob("_partial_*"))
+    print(f"\n[commit] {error}")

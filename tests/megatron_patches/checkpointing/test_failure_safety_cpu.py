@@ -17,12 +17,14 @@ The counts of kills, corruptions and their outcomes are printed (`-s`) and asser
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
 import resource
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -176,11 +178,51 @@ def test_disk_full_during_save_keeps_previous_checkpoint(good_checkpoint, tmp_pa
     errors = refusals(log)
     assert errors and all(f"saving iteration 3 to {save} failed" in e for e in errors), log[-4000:]
     assert f"file-size limit {limit} bytes" in errors[0]
+    assert "(file too large" in errors[0], errors[0]
+    assert "Fix: raise the file-size limit (ulimit -f)" in errors[0], errors[0]
+    assert "free space in" not in errors[0] and "full traceback" not in errors[0], errors[0]
     assert (save / TRACKER).read_bytes() == tracker
     assert {d.name: snapshot(d) for d in save.glob("iter_*")} == before
     assert not list(save.glob("_partial_*")), list(save.iterdir())
     print(f"\n[failsafe] disk full: 1 save refused in {time.monotonic() - started:.0f}s, "
           f"previous checkpoint and tracker unchanged")
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: int):
+    """A tmpfs of `size` bytes mounted at `path` (needs the right to mount: root here)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs for a real ENOSPC: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_no_space_left_during_save_says_free_space(good_checkpoint, tmp_path):
+    """A real ENOSPC: --save on a filesystem that holds the previous checkpoint and little more."""
+    held = sum(p.stat().st_size for p in good_checkpoint.rglob("*") if p.is_file())
+    with small_filesystem(tmp_path / "small", held + 2**20) as small:
+        save = small / "ckpt"
+        shutil.copytree(good_checkpoint, save)
+        before = {d.name: snapshot(d) for d in save.glob("iter_*")}
+        tracker = (save / TRACKER).read_bytes()
+        run = LiveRun(resume_args(save))
+        log = run.finish(240)
+        assert run.proc.returncode != 0, log[-3000:]
+        errors = refusals(log)
+        assert errors and all(f"saving iteration 3 to {save} failed" in e for e in errors), log[-4000:]
+        for error in errors:
+            assert "(no space left on the device" in error and " MiB free there)" in error, error
+            assert f"Fix: free space in (or point --save away from) {save}" in error, error
+            assert "full traceback" not in error, error
+        assert (save / TRACKER).read_bytes() == tracker
+        assert {d.name: snapshot(d) for d in save.glob("iter_*")} == before
+        assert not list(save.glob("_partial_*")), list(save.iterdir())
+    print(f"\n[failsafe] no space left: {errors[0]}")
 
 
 def _truncate(d: Path) -> str:

@@ -128,8 +128,8 @@ def test_without_file_locks_the_writer_record_decides(tmp_path):
 
 
 def test_failed_save_advice_follows_the_cause():
-    """A guard's refusal keeps its own fix; anything else (a write error, as torch's checkpoint
-    error wraps it) gets the free-space advice."""
+    """A guard's refusal keeps its own fix; anything else is judged by test_room_is_judged_...
+    below (free-space advice only when room is short)."""
     from megatron_patches.checkpointing.checkpoint_completeness_guard import IncompleteCheckpointError
 
     try:
@@ -146,3 +146,43 @@ def test_failed_save_advice_follows_the_cause():
             raise RuntimeError("save failed") from refusal
         except RuntimeError as wrapped:
             assert atomic_checkpoint_commit._is_deliberate_refusal(wrapped)
+
+
+def test_room_is_judged_by_errno_or_by_measure(tmp_path):
+    """The free-space advice only when room is short: an errno of ENOSPC/EDQUOT/EFBIG anywhere
+    in the chain (here inside torch's CheckpointException, as a rank's write failure), a
+    checkpoint file at the file-size limit, or less free space than the last checkpoint takes;
+    any other failure gets no room advice."""
+    import errno
+    import resource
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    short = atomic_checkpoint_commit._short_of_room
+    save = tmp_path / "ckpt"
+    fake_checkpoint(save / "iter_0000001", files=("__0_0.distcp", "__1_0.distcp"))
+    staging = str(save / "_partial_iter_0000002")
+    for code, words in ((errno.ENOSPC, "no space left"), (errno.EDQUOT, "quota"),
+                        (errno.EFBIG, "file too large")):
+        try:
+            raise OSError(code, os.strerror(code))
+        except OSError as write_error:
+            failed = CheckpointException("write", {1: _wrap_exception(write_error)})
+        found = short(failed, str(save), "iter_0000001", staging)
+        assert found and words in found[0], (code, found)
+    # Another rank's error that arrived as text only
+    assert short(RuntimeError(f"rank 1: [Errno {errno.ENOSPC}] No space left on device"),
+                 str(save), "iter_0000001", staging)
+    # Not a matter of room: a stale handle, torch's zip writer error, on a roomy filesystem
+    stale = OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+    assert short(stale, str(save), "iter_0000001", staging) is None
+    unexplained = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    assert short(unexplained, str(save), "iter_0000001", staging) is None
+    # The same error where the last checkpoint's files (10 bytes) reach the file-size limit
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10, hard))
+    try:
+        found = short(unexplained, str(save), "iter_0000001", staging)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert found and "file-size limit" in found[0] and "ulimit -f" in found[1], found
