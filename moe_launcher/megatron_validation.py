@@ -167,9 +167,9 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 def checked_command_line(argv: list[str]):
     """Every check a command line gets before any work: megatron's parser, this project's
-    preflight checks (moe_launcher.preflight, .checkpoint_paths, .dependencies), megatron's validation,
-    its tokenizer and its config construction. Returns (args, pretrain config); raises
-    PreflightError."""
+    preflight checks (moe_launcher.preflight, .checkpoint_paths, .dependencies), megatron's
+    validation, its tokenizer and its config construction. Returns (args, pretrain config);
+    raises PreflightError."""
     # Importing the check modules registers their checks.
     from moe_launcher import checkpoint_paths, dependencies, preflight  # noqa: F401
 

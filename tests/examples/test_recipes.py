@@ -55,8 +55,8 @@ ALL_RECIPES = {**GPU_RECIPES,
 def clean_env(**extra: str) -> dict[str, str]:
     """The caller's environment without Slurm or launcher overrides."""
     drop = {"RECIPE", "DRY_RUN", "NODES", "GPUS_PER_NODE", "NPROC", "EXTRA_ARGS", "DATA_PATH",
-            "TOKENIZER_MODEL", "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE", "CUDA_DEVICE_MAX_CONNECTIONS",
-            "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT"}
+            "TOKENIZER_MODEL", "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE",
+            "CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT"}
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env["PYTHON"] = sys.executable
     env.update(extra)
