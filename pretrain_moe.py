@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from moe_launcher.preflight import check_environment
+from moe_launcher.preflight import check_environment, check_gpu_request
 from moe_launcher.runtime.refusals import (
     EXIT_STATUS as PREFLIGHT_EXIT, PreflightError, refusal_line, refusal_types)
 
@@ -33,6 +33,7 @@ def main(argv: list[str]) -> None:
         with_platform_defaults)
     environment_lines = set_environment_defaults(argv, os.environ)
     on_cpu = not torch.cuda.is_available()
+    check_gpu_request(argv, cuda_available=not on_cpu)  # a GPU recipe on a node without one
     if on_cpu:
         from moe_launcher import cpu_backend
 

@@ -56,6 +56,51 @@ def check_environment(megatron_version: str | None = None) -> str:
         raise PreflightError("megatron-core", str(exc)) from None
 
 
+# What a command line asks of a GPU by name: (flag, value, what a CPU run passes instead). On CPU
+# the launcher adds --transformer-impl local and gloo only where the flag is not given, so a
+# given value is the user's (a GPU recipe's) own.
+_GPU_REQUESTS = (
+    ("--transformer-impl", "transformer_engine", "pass --transformer-impl local"),
+    ("--distributed-backend", "nccl", "drop --distributed-backend nccl (it uses gloo)"),
+)
+
+
+def _last_value(argv: list[str], flag: str) -> str | None:
+    """The value megatron's parser keeps for `flag`: its last occurrence (no abbreviations)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def check_gpu_request(argv: list[str], cuda_available: bool, environ=os.environ) -> None:
+    """Refuses a command line that asks for GPUs by name where no CUDA device is visible (a GPU
+    recipe submitted without --gpus-per-node, a driver gone): the launcher would switch to its
+    CPU backend and fail much later, inside Transformer Engine or NCCL. Runs before the CPU
+    backend is activated; command lines that name no GPU feature run on CPU as before."""
+    if cuda_available:
+        return
+    for flag, value, cpu_fix in _GPU_REQUESTS:
+        if _last_value(argv, flag) != value:
+            continue
+        import socket
+
+        nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES")
+        where = f"host {socket.gethostname()}" + (
+            f", job {environ['SLURM_JOB_ID']} on {nodes} node(s)" if environ.get("SLURM_JOB_ID")
+            else "")
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        raise PreflightError(flag, f"{flag} {value} asks for GPUs, but this rank sees no CUDA "
+                             f"device ({where}; torch.cuda.is_available() is False"
+                             f"{f', CUDA_VISIBLE_DEVICES={visible!r}' if visible is not None else ''}"
+                             "), and the CPU backend the launcher would switch to cannot run it; "
+                             "fix: give every rank a GPU (sbatch/srun --gpus-per-node=N on a GPU "
+                             f"partition, N the ranks per node), or for a CPU run {cpu_fix}")
+
+
 # --------------------------------------------------------------------------------------------
 # Layout arithmetic (shared with examples/moe/plan.py)
 # --------------------------------------------------------------------------------------------

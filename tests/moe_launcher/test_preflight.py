@@ -50,6 +50,15 @@ CASES = {
                           "--data-path"),
     "transformer-engine-missing": (1, ["--transformer-impl", "transformer_engine"],
                                    "--transformer-impl"),
+    # A GPU recipe where no CUDA device is visible (sbatch without --gpus-per-node): refused
+    # before the CPU backend, not left to fail inside Transformer Engine or NCCL.
+    "gpu-recipe-without-cuda": (2, ["--transformer-impl", "transformer_engine",
+                                    "--moe-grouped-gemm", "--moe-token-dispatcher-type",
+                                    "alltoall"],
+                                "--transformer-impl transformer_engine asks for GPUs, but this "
+                                "rank sees no CUDA device"),
+    "nccl-without-cuda": (1, ["--distributed-backend", "nccl"],
+                          "--distributed-backend nccl asks for GPUs"),
     "megatron-fsdp-with-torch-dist": (1, ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
                                       "--ckpt-format"),
     "save-without-save-interval": (1, [], "--save-interval"),
