@@ -12,9 +12,9 @@
 # tokenized with), CKPT_DIR (default runs/$RECIPE/ckpt), WANDB_PROJECT, WANDB_EXP_NAME,
 # EXTRA_ARGS (extra megatron flags, appended last, so they override the recipe), NPROC (local
 # ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if present, else
-# python), NODES / GPUS_PER_NODE (override the recipe's size), LOG_INTERVAL
-# (default 1), DRY_RUN=1, CONTAINER_IMAGE (pyxis/enroot image for srun), CONTAINER_MOUNTS (extra
-# src:dst[,...] mounts), MASTER_ADDR (default the job's first node), MASTER_PORT. A recipe's
+# python), NODES / GPUS_PER_NODE (override the recipe's size), LOG_INTERVAL (default the
+# recipe's: 10 on GPU recipes, 1 on CPU ones), DRY_RUN=1, CONTAINER_IMAGE (pyxis/enroot image
+# for srun), CONTAINER_MOUNTS (extra src:dst[,...] mounts), MASTER_ADDR (default the job's first node), MASTER_PORT. A recipe's
 # RUN_ENV (e.g. CUDA_DEVICE_MAX_CONNECTIONS=1 for TP without FSDP) is exported for every rank
 # unless the variable is already set. Arguments other than --list, --dry-run and --help are
 # passed to pretrain_moe.py after everything else.
@@ -91,6 +91,7 @@ MODEL_ARGS=()
 LAYOUT_ARGS=()
 TRAIN_ARGS=()
 RUN_ENV=()  # NAME=VALUE pairs the recipe's layout needs in the environment of every rank
+RECIPE_LOG_INTERVAL=1  # the recipe's --log-interval; LOG_INTERVAL overrides it
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/$RECIPE.sh"
 NODES=${env_nodes:-$NODES}
@@ -124,7 +125,7 @@ fi
 CKPT_DIR=${CKPT_DIR:-runs/$RECIPE/ckpt}
 # --exit-signal-handler: on SIGTERM every rank finishes its iteration, saves and exits 0.
 CKPT_ARGS=(--save "$CKPT_DIR" --load "$CKPT_DIR" --exit-signal-handler)
-LOG_ARGS=(--log-interval "${LOG_INTERVAL:-1}" --log-throughput)
+LOG_ARGS=(--log-interval "${LOG_INTERVAL:-$RECIPE_LOG_INTERVAL}" --log-throughput)
 if [[ -n "${WANDB_PROJECT:-}" ]]; then
   LOG_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-$RECIPE-${SLURM_JOB_ID:-local}}")
 fi

@@ -153,6 +153,14 @@ def test_gpu_recipes_use_te_grouped_gemm_bf16_alltoall_and_their_layout(recipe):
 
 
 @pytest.mark.parametrize("recipe", sorted(ALL_RECIPES))
+def test_gpu_recipes_log_every_10_iterations_cpu_ones_every_one(recipe):
+    flags, _ = resolved(recipe)
+    assert flag_values(flags)["--log-interval"] == ("10" if recipe in GPU_RECIPES else "1")
+    flags, _ = resolved(recipe, LOG_INTERVAL="5")  # the documented override wins
+    assert flag_values(flags)["--log-interval"] == "5"
+
+
+@pytest.mark.parametrize("recipe", sorted(ALL_RECIPES))
 def test_dry_run_passes_at_the_stated_size(recipe, monkeypatch):
     rc, out, err = dry_run(recipe, monkeypatch)
     assert rc == 0, err

@@ -13,6 +13,7 @@
 #   grouped_gemm package's); the local spec runs the experts one after another (SequentialMLP);
 # * global batch 8 (micro-batch 1 x DP 4 x 2 accumulation steps) and 4 iterations, unless
 #   GLOBAL_BATCH_SIZE / TRAIN_ITERS say otherwise.
+# * --log-interval 1 (the GPU recipes log every 10 iterations).
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-8}
 TRAIN_ITERS=${TRAIN_ITERS:-4}
 # shellcheck source=/dev/null
@@ -20,6 +21,7 @@ source "$RECIPE_DIR/$TWIN_OF.sh"
 TWIN_RANKS=4
 GPUS_PER_NODE=$TWIN_RANKS
 VOCAB_SIZE=512
+RECIPE_LOG_INTERVAL=1  # a few CPU iterations: every one logged
 
 declare -A TINY_SIZES=(
   [--num-layers]=2 [--hidden-size]=64 [--ffn-hidden-size]=128

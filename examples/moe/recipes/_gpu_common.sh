@@ -1,6 +1,8 @@
 # shellcheck shell=bash disable=SC2034
 # Shared by the GPU recipes (sourced after a _model_*.sh file): TE grouped-GEMM experts, bf16,
 # all-to-all token dispatch, and a plain pretraining schedule. Not a recipe itself (leading _).
+# A log line every 10 iterations: for each line megatron gathers its timers from every rank.
+RECIPE_LOG_INTERVAL=10
 IMPL_ARGS=(
   --transformer-impl transformer_engine
   --moe-grouped-gemm
