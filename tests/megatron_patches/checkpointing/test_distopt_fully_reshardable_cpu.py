@@ -9,6 +9,7 @@ distopt-reshardable-bucket-offsets). Without Transformer Engine / apex the load 
 with KeyError: 'step' (patch distopt-torch-adam-resume).
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,12 @@ REPO = Path(__file__).resolve().parents[3]
 OBSERVED = REPO / "tests" / "_observed_launch.py"
 NPROC = 2
 K = 1  # iterations before the checkpoint; the runs go to 2K
-# megatron uses --ddp-bucket-size only with --overlap-grad-reduce (one bucket otherwise); 20k
-# elements make about a dozen buckets of the tiny model, ends padded to multiples of 128.
+# megatron uses --ddp-bucket-size only with --overlap-grad-reduce (one bucket otherwise); 10k
+# elements make 20 buckets of the tiny model, ends padded to multiples of 128 (4 of them padded
+# before another bucket, which is where #5077 shifts the offsets).
 COMMON = [*TINY_MODEL, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
           "--dist-ckpt-optim-fully-reshardable", "--overlap-grad-reduce",
-          "--ddp-bucket-size", "20000", "--train-iters", str(2 * K)]
+          "--ddp-bucket-size", "10000", "--train-iters", str(2 * K)]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
@@ -85,6 +87,7 @@ def test_fully_reshardable_resume_same_and_other_layout(tmp_path):
                           "--tensorboard-dir", str(tmp_path / "tb_full")],
                   env={"SNAPSHOT_DIR": str(tmp_path / "snap" / "full")}, script=OBSERVED).check()
     assert "distopt-reshardable-bucket-offsets: applied" in full.log
+    assert _padded_bucket_ends_before_another(full.log) > 1, full.log[-3000:]  # #5077's case
     saved = _model_space(tmp_path / "snap" / "full", f"save{K}")
     # Every parameter has trained Adam moments, so equal states below are not zeros on both sides.
     assert all(torch.count_nonzero(state["exp_avg_sq"]) for state in saved.values())
@@ -104,3 +107,54 @@ def test_fully_reshardable_resume_same_and_other_layout(tmp_path):
                    "--exit-interval", str(K + 1)],
            env={"SNAPSHOT_DIR": str(tmp_path / "snap" / "tp2")}, script=OBSERVED).check()
     _assert_equal_state(saved, _model_space(tmp_path / "snap" / "tp2", "load"), "DP2 -> TP2")
+
+
+BUCKET = re.compile(r"Params for bucket (\d+) \((\d+) elements, (\d+) padded size")
+
+
+def _padded_bucket_ends_before_another(log: str) -> int:
+    """From megatron's bucket log (rank 0, each gradient buffer's buckets numbered from 1): how
+    many buckets end with padding and are followed by another bucket of their buffer, i.e. the
+    ends #5077's offsets run past."""
+    buffers, found = [], 0
+    for number, numel, padded in BUCKET.findall(log):
+        if int(number) == 1:
+            buffers.append([])
+        buffers[-1].append(int(padded) > int(numel))
+    for buckets in buffers:
+        found += sum(buckets[:-1])
+    return found
+
+
+@pytest.mark.slow
+def test_unpatched_fully_reshardable_resume_loads_shifted_state(tmp_path):
+    """megatron-core 0.19.2's own save (MEGATRON_PATCHES_DISABLE=distopt-reshardable-bucket-
+    offsets, save and resume), several padded buckets: the resume in the same layout loads
+    optimizer state that is not the state saved (shifted, tails zero-filled)."""
+    disable = {"MEGATRON_PATCHES_DISABLE": "distopt-reshardable-bucket-offsets"}
+    for directory in ("full", "same"):
+        (tmp_path / "snap" / directory).mkdir(parents=True)
+    ckpt = tmp_path / "ckpt"
+    full = launch(NPROC, [*COMMON, "--save", str(ckpt), "--save-interval", str(K),
+                          "--exit-interval", str(K)],
+                  env={**disable, "SNAPSHOT_DIR": str(tmp_path / "snap" / "full")},
+                  script=OBSERVED).check()
+    assert ("distopt-reshardable-bucket-offsets: skipped (disabled by MEGATRON_PATCHES_DISABLE)"
+            in full.log)
+    padded = _padded_bucket_ends_before_another(full.log)
+    assert padded > 1, f"{padded} padded bucket ends before another bucket:\n{full.log[-3000:]}"
+    saved = _model_space(tmp_path / "snap" / "full", f"save{K}")
+    launch(NPROC, [*COMMON, "--load", str(ckpt), "--ckpt-step", str(K), "--exit-interval",
+                   str(K + 1)],
+           env={**disable, "SNAPSHOT_DIR": str(tmp_path / "snap" / "same")},
+           script=OBSERVED).check()
+    loaded = _model_space(tmp_path / "snap" / "same", "load")
+    assert saved.keys() == loaded.keys()
+    differ = {name for name in saved if any(
+        not torch.equal(value, loaded[name][key]) for key, value in saved[name].items())}
+    zeroed = sum(int(torch.count_nonzero(loaded[name]["exp_avg_sq"] == 0)) for name in saved)
+    print(f"unpatched: {padded} padded bucket ends before another bucket; {len(differ)} of "
+          f"{len(saved)} parameters resume with other optimizer state; {zeroed} exp_avg_sq "
+          f"elements loaded as 0 (saved: "
+          f"{sum(int(torch.count_nonzero(s['exp_avg_sq'] == 0)) for s in saved.values())})")
+    assert differ, "megatron-core's own resume loaded the state saved: #5077 not shown"
