@@ -16,9 +16,11 @@
   Megatron-FSDP keeps gradients in the parameters' dtype (bf16) by default, not megatron's
   fp32; and `optim_grads` keeps whole weights next to sharded gradients and optimizer state;
 * in fp32 (no --bf16) Megatron-FSDP divides gradients inside the reduction, an NCCL PREMUL_SUM
-  that gloo lacks: the CPU backend bridges it. megatron-core 0.19.2 cannot save fp32
-  Megatron-FSDP fsdp_dtensor checkpoints of this model ("GPTModel has no attribute `module`"
-  during its fsdp_dtensor save, cause not traced), so that run only trains.
+  that gloo lacks: the CPU backend bridges it. The fp32 run (ETP2, 2 ranks) also saves and
+  resumes bit-exactly, which megatron-core 0.19.2 cannot do without the
+  fsdp-dtensor-fp32-swiglu-keys patch: its fsdp_dtensor save looks each SwiGLU fc1 weight up one
+  `module.` level deeper than an fp32 model has (bf16's Float16Module adds that level) and fails,
+  "GPTModel has no attribute `module`".
 
 What the runs go through: the fsdp-dtensor-optimizer-keys patch (Megatron-LM#4910; small
 parameters are empty on some ranks, which then hold no optimizer state for them, and the save
@@ -189,16 +191,41 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert (save / TRACKER).read_text().strip() == str(ITERS)
 
 
-def test_fp32_gradient_reduction():
-    """Without the bridge every rank fails its first step: "Cannot use ReduceOp.PREMUL_SUM with
-    Gloo"."""
+def test_fp32_trains_saves_and_resumes_where_it_stopped(tmp_path):
+    """fp32 gradient reduction: without the CPU backend's bridge every rank fails its first step
+    ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). The fp32 checkpoint is audited like the bf16
+    ones and the resumed run's losses equal the uninterrupted run's bit for bit; without
+    fsdp-dtensor-fp32-swiglu-keys the first save fails."""
     fp32_model = [flag for flag in TINY_MODEL if flag != "--bf16"]
-    run = launch(2, [*fp32_model, "--expert-tensor-parallel-size", "2",
-                     "--use-megatron-fsdp", "--use-distributed-optimizer",
-                     "--ckpt-format", "fsdp_dtensor",
-                     "--data-parallel-sharding-strategy", "optim_grads_params",
-                     "--train-iters", str(ITERS)], timeout=300).check()
+    args = [*fp32_model, *FSDP, *LAYOUTS["etp2-ep1"],
+            "--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", str(ITERS)]
+    full, resumed_tb = tmp_path / "full", tmp_path / "resumed-tb"
+    run = launch(2, [*args, "--save", str(full / "ckpt"), "--save-interval", str(SAVED_AT),
+                     "--tensorboard-dir", str(full / "tb")], timeout=300).check()
     assert f"iteration        {ITERS}/       {ITERS}" in run.log
+    report = audit_report(full / "ckpt" / f"iter_{SAVED_AT:07d}")
+    experts = [t for t in report["tensors"] if t["expert"] and t["key"].startswith("model.")]
+    assert len(experts) == 2 * 8 * 3  # fc1 split into weight_w/weight_v as in bf16, and fc2
+    assert all(t["global_shape"] == t["expected_shape"] == [64, 64] for t in experts), experts
+
+    resumed = launch(2, [*args, "--load", str(full / "ckpt"), "--ckpt-step", str(SAVED_AT),
+                         "--tensorboard-dir", str(resumed_tb)], timeout=300).check()
+    assert f"at iteration {SAVED_AT}" in resumed.log, resumed.log[-3000:]
+    before = tensorboard_scalars(full / "tb", "lm loss")
+    after = tensorboard_scalars(resumed_tb, "lm loss")
+    assert sorted(before) == list(range(1, ITERS + 1))
+    assert sorted(after) == list(range(SAVED_AT + 1, ITERS + 1))
+    assert after == {iteration: before[iteration] for iteration in after}, (after, before)
+
+    unpatched = tmp_path / "unpatched"
+    failed = launch(2, [*args, "--train-iters", "1", "--save", str(unpatched),
+                        "--save-interval", "1"],
+                    env={"MEGATRON_PATCHES_DISABLE": "fsdp-dtensor-fp32-swiglu-keys"},
+                    timeout=300)
+    assert failed.returncode != 0
+    failure = "saving iteration 1 to .* AttributeError: GPTModel has no attribute `module`"
+    assert re.search(failure, failed.log), failed.log[-3000:]
+    assert not (unpatched / TRACKER).exists()
 
 
 def test_census_of_optim_grads_keeps_whole_weights(tmp_path):
