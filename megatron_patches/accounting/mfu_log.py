@@ -5,11 +5,17 @@ bf16 peak. megatron's training_log builds its iteration line as a string and pri
 print_rank_last; wrapping that one call (as training.py sees it) is the least invasive hook:
 the line already carries the throughput, and tensorboard/wandb get MFU the way they get
 'throughput'. On CPU or an unknown device there is no peak to divide by: said once, no MFU.
+
+megatron prints the throughput with one decimal, so a CPU run shows 0.0 TFLOP/s/GPU. Below 10
+the line gets at least three significant digits, from the exact value megatron hands
+one_logger_utils.track_e2e_metrics just before it builds the line (GPU lines, above 10, keep
+megatron's format); MFU is computed from that value too.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import torch
@@ -65,6 +71,23 @@ def with_mfu(log_line: str, peak: float | None) -> tuple[str, float | None]:
     return log_line[:found.end()] + f" MFU: {100 * value:.1f}% |" + log_line[found.end():], value
 
 
+def precise_throughput(value: float) -> str:
+    """megatron's one decimal from 10 TFLOP/s up, else at least three significant digits."""
+    if not value > 0 or value >= 10 or math.isinf(value):
+        return f"{value:.1f}"
+    return f"{value:.{2 - math.floor(math.log10(value))}f}"
+
+
+def with_precise_throughput(log_line: str, throughput: float | None) -> str:
+    """The line with `throughput` in its TFLOP/s/GPU field, where the field is megatron's
+    one-decimal print of that same value."""
+    found = _THROUGHPUT.search(log_line)
+    if found is None or throughput is None or found.group(1) != f"{throughput:.1f}":
+        return log_line
+    return (log_line[:found.start(1)] + precise_throughput(throughput)
+            + log_line[found.end(1):])
+
+
 def _say_once(message: str, say, said: set[str]) -> None:
     if message not in said:
         said.add(message)
@@ -89,10 +112,22 @@ def _apply() -> None:
         return
     megatron_print = training.print_rank_last
     said: set[str] = set()  # notes this wrapper printed once
+    measured: dict[str, float] = {}  # the exact throughput of the line being built
+    track = training.one_logger_utils.track_e2e_metrics
+
+    @functools.wraps(track)
+    def track_e2e_metrics(log_throughput=False, throughput=None):
+        if throughput is not None:
+            measured["throughput"] = throughput
+        return track(log_throughput, throughput)
+
+    track_e2e_metrics.__wrapped_by__ = "mfu-log"  # registry.wrapped_by
+    training.one_logger_utils.track_e2e_metrics = track_e2e_metrics
 
     @functools.wraps(megatron_print)
     def print_rank_last(message):
         if isinstance(message, str) and _THROUGHPUT.search(message):
+            message = with_precise_throughput(message, measured.pop("throughput", None))
             name = device_name()
             peak = peak_tflops(name)
             if peak is None:
@@ -123,7 +158,8 @@ register(Patch(
     upstream="local",
     versions=">=0.15,<0.20",
     summary="appends MFU (TFLOP/s/GPU over the device's dense bf16 peak) to the iteration log "
-            "via megatron.training.training.print_rank_last, and to tensorboard/wandb",
+            "via megatron.training.training.print_rank_last, and to tensorboard/wandb; prints "
+            "a throughput below 10 TFLOP/s/GPU with three significant digits, not 0.0",
     not_needed_because=_not_needed,
     apply=_apply,
 ))

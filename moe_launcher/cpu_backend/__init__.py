@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
+import os
 import sys
 
 import torch
@@ -99,6 +101,40 @@ def _refuse_cuda_extensions() -> None:
     cpp_extension.load_inline = load_inline_without_cuda
 
 
+# megatron's RNG trackers warn when the CPU generator's state changed inside a fork of the CUDA
+# generator. Here the CUDA generator is the CPU one (see _patch_megatron), so every draw inside
+# a fork changes it: the warning is this backend's doing, hundreds of lines a run. Dropped at
+# these loggers, this one message only; said once (rank 0), the first time it is dropped.
+RNG_CONTEXT_WARNING = "CPU RNG state changed within GPU RNG context"
+RNG_CONTEXT_LOGGERS = ("megatron.core.tensor_parallel.random",
+                       "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
+                       "megatron_fsdp.utils")
+RNG_CONTEXT_NOTE = (f"[cpu_backend] megatron's warning '{RNG_CONTEXT_WARNING}' is silenced: on "
+                    "CPU the CUDA generator is the CPU generator, so every random draw inside "
+                    "megatron's RNG tracker changes the CPU state")
+
+
+class _RngContextWarningFilter(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != RNG_CONTEXT_WARNING:
+            return True
+        if not self.said:
+            self.said = True
+            if os.environ.get("RANK", "0") == "0":
+                print(RNG_CONTEXT_NOTE, flush=True)
+        return False
+
+
+def _silence_rng_context_warning() -> None:
+    dropped = _RngContextWarningFilter()
+    for name in RNG_CONTEXT_LOGGERS:
+        logging.getLogger(name).addFilter(dropped)
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import token_dispatcher
@@ -112,6 +148,7 @@ def _patch_megatron() -> None:
     tp_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: (
         torch.set_rng_state(state)
     )
+    _silence_rng_context_warning()
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
     if importlib.util.find_spec("megatron.training") is None:
         return  # megatron-core 0.15.x wheels ship no megatron.training (no pretrain())

@@ -382,6 +382,16 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     assert tracker.exists(), sorted(p.name for p in ckpt.glob("*"))
     assert tracker.read_text().strip() == "20"
+    # What the CPU backend causes is said once, not 640 times (its RNG stands in for CUDA's)
+    from moe_launcher.cpu_backend import RNG_CONTEXT_NOTE, RNG_CONTEXT_WARNING
+
+    log = out.stdout + out.stderr
+    assert RNG_CONTEXT_WARNING not in log.replace(RNG_CONTEXT_NOTE, ""), log[-4000:]
+    assert log.count(RNG_CONTEXT_NOTE) == 1, log[-4000:]
+    # and the throughput has digits that mean something on CPU, not megatron's 0.0
+    throughputs = re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+) \|", out.stdout)
+    assert len(throughputs) == 20, out.stdout[-4000:]
+    assert all(float(t) > 0 and len(t.strip("0.")) >= 2 for t in throughputs), throughputs
 
 
 @pytest.mark.slow
