@@ -52,8 +52,11 @@ def _command(nproc: int, script: Path, args: list[str], torchrun: bool) -> list[
 
 
 def _environment(env: dict | None) -> dict:
+    # The repository first, then what the caller's path holds (e.g. wheels installed with
+    # --target on a GPU machine, bench/gpu_check.sh).
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": str(REPO), **(env or {})}
+            "PYTHONPATH": path, **(env or {})}
 
 
 # Where a variable starts so, torch, megatron or the CPU backend may read it on import: a launch
