@@ -1,5 +1,6 @@
-"""Run by test_strict_device_cpu.py under torchrun (2 ranks, strict device mode inherited):
-which collectives the CPU backend refuses, one verdict line per case on rank 0."""
+"""Which collectives refuse which tensors, one verdict line per case on rank 0, run under
+torchrun: by test_strict_device_cpu.py on the CPU backend in strict device mode (2 ranks), and by
+bench/gpu_check.py on a GPU with NCCL (1 rank), whose verdicts must be strict mode's."""
 
 import os
 import sys
@@ -7,11 +8,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
+
 from moe_launcher import cpu_backend  # noqa: E402
 
-cpu_backend.activate()
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    cpu_backend.activate()
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
@@ -26,11 +30,15 @@ def verdict(case: str, collective) -> None:
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    if ON_GPU:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if ON_GPU else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(list(range(world)), backend="gloo")
     default_backend = dist.new_group(list(range(world)))
-    peer = 1 - rank
+    # At world size 1 the peer is the rank itself: NCCL sends to itself, gloo cannot (its
+    # "Pair is not connected" is then gloo's verdict, not strict mode's).
+    peer = (rank + 1) % world
 
     verdict("host all_reduce on default group", lambda: dist.all_reduce(torch.ones(2)))
     verdict("host tensor from .cpu() on default group",
@@ -69,5 +77,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    assert os.environ.get(cpu_backend.STRICT_DEVICE_ENV) == "1", "run from the test suite"
+    assert ON_GPU or os.environ.get(cpu_backend.STRICT_DEVICE_ENV) == "1", (
+        f"on the CPU backend the verdicts are strict mode's: set {cpu_backend.STRICT_DEVICE_ENV}=1")
     main()
