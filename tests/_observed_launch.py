@@ -3,10 +3,11 @@ when its environment variable names a directory:
 
 * $SNAPSHOT_DIR: after megatron saves or loads a checkpoint, each rank writes a snapshot of its
   optimizer state (every torch optimizer state tensor and main parameter) to
-  {save,load}_rank{R}.pt, the same state in model space (per model parameter name: the
-  distributed optimizer's slice of it and where the slice lies) to
+  {save,load}_rank{R}.pt (a save's also to save<ITER>_rank{R}.pt; DTensors as this rank's
+  local shard, so that a snapshot loads without a device mesh), the same state in model space
+  (per model parameter name: the distributed optimizer's slice of it and where the slice lies) to
   model_{save<ITER>,load}_rank{R}.pt, and its CUDA RNG tracker states to
-  rng_{save,load}_rank{R}.pt;
+  rng_{save,save<ITER>,load}_rank{R}.pt;
 * $GRAD_DIR: after megatron finalizes an iteration's gradients (DP reduction included), each
   rank writes the gradients its optimizer will step with (name -> tensor) to grads_rank{R}.pt:
   those of the parameters whose names match the regular expression $GRAD_NAMES (default: the
@@ -16,6 +17,12 @@ when its environment variable names a directory:
   optimizer states, counted in Megatron-FSDP's buffers and the optimizer's state tensors (buffer
   padding left out), to memory_rank{R}.json: {"weights": elements of the weights, "bytes": bytes
   of them all};
+* $FLOP_COUNT_FILE: before megatron's first training step, rank 0 runs one forward and backward
+  of one micro-batch of random tokens through the model built (a causal mask, full S×S scores)
+  under torch's FlopCounterMode, on the device it trains on, and writes
+  {"device": ..., "flop_counter": FLOPs torch counted, "census": the FLOPs the layer census
+  predicts for it (flops_from_layer_census, full attention)} to that file. The gradients it
+  leaves are zeroed by the training step, which starts by zeroing the gradient buffers;
 * $WARMUP_KEEPS_SEED=1: megatron's JIT warmup (set_jit_fusion_options) runs without moving the
   generator megatron seeded. It draws random tensors sized by --micro-batch-size from the
   generator that the CPU initialisation (--use-cpu-initialization) then uses, so otherwise two
@@ -33,6 +40,10 @@ import torch
 import pretrain_moe
 
 
+def _local_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return getattr(tensor, "_local_tensor", tensor).detach().clone()  # a DTensor's local shard
+
+
 def _optimizer_snapshot(optimizer) -> dict:
     snapshot = {}
     for index, chained in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
@@ -40,9 +51,11 @@ def _optimizer_snapshot(optimizer) -> dict:
         for g, group in enumerate(inner.param_groups):
             for p, param in enumerate(group["params"]):
                 key = f"{index}.{g}.{p}"
-                snapshot[f"{key}.param"] = param.detach().clone()
-                for name, value in inner.state[param].items():
-                    snapshot[f"{key}.{name}"] = value.detach().clone()
+                snapshot[f"{key}.param"] = _local_copy(param)
+                # .get: torch keeps state in a defaultdict, and an empty entry for a parameter
+                # without state (an empty shard) would break the next save (KeyError exp_avg)
+                for name, value in inner.state.get(param, {}).items():
+                    snapshot[f"{key}.{name}"] = _local_copy(value)
     return snapshot
 
 
@@ -79,13 +92,17 @@ def _dump(kind: str, model, optimizer, iteration: int | None = None) -> None:
     from megatron.core import tensor_parallel
 
     directory, rank = os.environ["SNAPSHOT_DIR"], torch.distributed.get_rank()
-    torch.save(_optimizer_snapshot(optimizer), os.path.join(directory, f"{kind}_rank{rank}.pt"))
     model_kind = kind if iteration is None else f"{kind}{iteration}"
+    snapshot = _optimizer_snapshot(optimizer)
+    # {kind}_rank{R}.pt is the latest; a run that saves twice keeps the earlier save's too.
+    for name in {kind, model_kind}:
+        torch.save(snapshot, os.path.join(directory, f"{name}_rank{rank}.pt"))
     torch.save(_model_space_snapshot(model, optimizer),
                os.path.join(directory, f"model_{model_kind}_rank{rank}.pt"))
     rng = {name: state.clone() for name, state
            in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
-    torch.save(rng, os.path.join(directory, f"rng_{kind}_rank{rank}.pt"))
+    for name in {kind, model_kind}:  # rng_save<ITER>_rank{R}.pt too
+        torch.save(rng, os.path.join(directory, f"rng_{name}_rank{rank}.pt"))
 
 
 def _observe_checkpoints(training) -> None:
@@ -175,6 +192,47 @@ def _observe_memory(training) -> None:
     training.train_step = train_step
 
 
+def _micro_batch_flops(model) -> dict:
+    """FlopCounterMode's count and the census prediction for one forward+backward of one
+    micro-batch (tests/_megatron_cpu.py measured_flops, on the model megatron built)."""
+    from megatron.training import get_args
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_patches import registry
+    from megatron_patches.accounting import flops_from_layer_census as flops
+
+    args = get_args()
+    batch, seq = args.micro_batch_size, args.seq_length
+    device = torch.cuda.current_device()
+    ids = torch.randint(0, args.padded_vocab_size, (batch, seq), device=device)
+    positions = torch.arange(seq, device=device).expand(batch, -1)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), 1)[None, None]
+    with FlopCounterMode(display=False) as counter:
+        loss = model[0](ids, positions, causal, labels=ids,
+                        loss_mask=torch.ones(batch, seq, device=device))
+        loss.sum().backward()
+    built = registry.record_of("layer-census").built
+    shape = flops.ModelShape.from_config(built.config, args.padded_vocab_size, batch, seq)
+    predicted = flops.flops_per_batch(shape, built.layers, batch * seq, batch * seq ** 2,
+                                      causal_fraction=1.0)
+    return {"device": str(ids.device), "flop_counter": counter.get_total_flops(),
+            "census": predicted}
+
+
+def _observe_flops(training) -> None:
+    step = training.train_step
+
+    @functools.wraps(step)
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        path = os.environ["FLOP_COUNT_FILE"]
+        if torch.distributed.get_rank() == 0 and not os.path.exists(path):
+            with open(path, "w") as out:
+                json.dump(_micro_batch_flops(model), out)
+        return step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+
+    training.train_step = train_step
+
+
 def _warmup_keeps_seed(training) -> None:
     warmup = training.set_jit_fusion_options
 
@@ -201,6 +259,8 @@ if __name__ == "__main__":
         _observe_grads(training)
     if os.environ.get("MEMORY_DIR"):
         _observe_memory(training)
+    if os.environ.get("FLOP_COUNT_FILE"):
+        _observe_flops(training)
     if os.environ.get("WARMUP_KEEPS_SEED") == "1":
         _warmup_keeps_seed(training)
     pretrain_moe.main(sys.argv[1:])
