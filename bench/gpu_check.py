@@ -2,25 +2,56 @@
 
     bash bench/gpu_check.sh          # (it installs carried wheels if megatron-core is missing)
 
-On one GPU with NCCL and bf16 it trains the tiny MoE through pretrain_moe.py, saves, resumes in a
-new process and compares the losses, for megatron's local spec, for Transformer Engine
-grouped-GEMM experts where TE imports, and for Megatron-FSDP with fsdp_dtensor checkpoints; it
-checks that the layer census, `FLOPs per iteration`, TFLOP/s and MFU lines are logged and the
-checkpoint guards are applied, and audits each checkpoint. Without CUDA the same steps run on
-the CPU backend where they can, and each step that needs CUDA says SKIP with the reason, so the
-script is exercised by CI and does not rot.
+Every launch is `python -m torch.distributed.run --standalone --nproc-per-node 1` in a fresh
+process (never forked from one where CUDA is initialised), with a timeout; a launch that runs
+past it is a FAIL naming its step, and the whole check stops starting launches when its budget
+($GPU_CHECK_SECONDS, default 480) is spent, so that it ends inside one 10-minute device command.
+The launches keep the PYTHONPATH they were given (the carried wheels in /tmp/site).
 
-Each step prints one line `PASS|SKIP|FAIL <step>: <detail>`; the summary is written to
-`bench/results/gpu_check_<device>.txt` (or under $GPU_CHECK_RESULTS). Exit status 1 if any
-step failed.
+Steps, in order:
+
+* environment: torch, CUDA, the device, and whether Transformer Engine imports (in a subprocess:
+  a TE built for another torch or CUDA fails in many ways, some fatal).
+* cpu-reference: the tiny MoE (tests/_launch.py TINY_MODEL, local spec) on the CPU backend, also
+  on a GPU machine (CUDA hidden): the layer census, parameter total and `FLOPs per iteration` it
+  logs are the figures every later run of the same model must log, and torch's FlopCounterMode
+  must count what the census predicts for one micro-batch (tests/_observed_launch.py
+  $FLOP_COUNT_FILE, as tests/megatron_patches/accounting/test_flops.py does in process).
+* flop-counter-cuda: the same launch on the GPU: FlopCounterMode on CUDA against the census, and
+  the figures against the CPU reference.
+* local-spec, te-grouped-gemm, megatron-fsdp: trains 2K iterations saving at K, resumes from K in
+  a new process; the logged figures equal the CPU reference, the log has the census, FLOPs,
+  TFLOP/s (and on a GPU MFU) lines and the checkpoint guards, the optimizer state loaded equals
+  the state saved bit for bit (the save/load path is deterministic everywhere), the resumed
+  losses equal the uninterrupted ones (bit for bit on CPU; on a GPU to GPU_RELATIVE_TOLERANCE),
+  and the checkpoint audit says complete.
+* strict-device-nccl: tests/_strict_device_worker.py at world size 1 on the CPU backend in strict
+  device mode and on the GPU with NCCL: every case NCCL refuses, strict mode refuses, and no
+  other.
+* throughput: a GPU-bound MoE (THROUGHPUT_MODEL) with the patches and with every patch disabled
+  through MEGATRON_PATCHES_DISABLE (but KEPT_UNPATCHED); prints
+  `gpu throughput ratio patched/unpatched: <r>` (step time unpatched / patched).
+* fused-accumulation: `pytest -m gpu` of test_fused_accumulation_keeps_every_micro_batch
+  (tests/megatron_patches/fsdp/test_fsdp_microbatch_grads_cpu.py) in a subprocess; its skips are
+  NOT RUN with pytest's reason.
+
+Without CUDA the steps that need it say `NOT RUN <step>: needs CUDA`; the rest run the same
+code on the CPU backend, so CI exercises the script (tests/bench/test_gpu_check.py). Each step
+prints one line `PASS|FAIL|NOT RUN <step>: <detail>`; the last line is
+`gpu_check: <n> passed, <m> failed, <k> not run`, followed by `; TE step not run: <why>` when the
+Transformer Engine step did not run. The lines go to `bench/results/gpu_check_<device>.txt` (or
+under $GPU_CHECK_RESULTS), the launches' logs beside it. Exit status 1 if any step failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,13 +62,56 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from _launch import TINY_MODEL, launch, tensorboard_scalars  # noqa: E402  (the suite's harness)
+from _launch import TINY_MODEL, tensorboard_scalars  # noqa: E402  (the suite's model and reader)
+
+OBSERVED = REPO / "tests" / "_observed_launch.py"
+STRICT_WORKER = REPO / "tests" / "_strict_device_worker.py"
+FUSED_TEST = ("tests/megatron_patches/fsdp/test_fsdp_microbatch_grads_cpu.py"
+              "::test_fused_accumulation_keeps_every_micro_batch")
 
 K = 3  # iterations before the checkpoint; every run goes to 2K
 # On CPU the path is deterministic and resumed losses match bit for bit. On a GPU, bf16 kernels
 # with atomics (embedding and MoE scatter backward) may differ in the last bits between two
 # processes; the loss of a resumed run must then agree to this relative tolerance.
 GPU_RELATIVE_TOLERANCE = 1e-3
+# FlopCounterMode counts every matmul; the census formula leaves out norms, softmax and
+# activations (test_flops.py's tolerance).
+FLOP_COUNTER_TOLERANCE = 0.01
+TINY_LAUNCH_SECONDS = 150
+THROUGHPUT_LAUNCH_SECONDS = 240
+PYTEST_SECONDS = 300
+AUDIT_SECONDS = 120
+MINIMUM_LAUNCH_SECONDS = 30  # less left of the budget than this: later steps are not run
+
+DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+                         "--moe-token-dispatcher-type", "alltoall"]
+LOCAL_SPEC = ["--transformer-impl", "local", *DISTRIBUTED_OPTIMIZER]
+TE_GROUPED_GEMM = ["--transformer-impl", "transformer_engine", "--moe-grouped-gemm",
+                   *DISTRIBUTED_OPTIMIZER]
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+                 "--moe-token-dispatcher-type", "alltoall"]
+
+# Hidden 1024, 8 experts, bf16, 32 sequences of 2048 tokens per step (8 micro-batches): ~40
+# TFLOP per step, a few hundred ms on one H200, so the step time is the GPU's, not the launcher's.
+THROUGHPUT_MODEL = [
+    "--num-layers", "8", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
+    "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+    "--swiglu", "--disable-bias-linear", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "2048",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+    "--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-4", "--bf16",
+    "--use-distributed-optimizer", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "32768", "--train-iters", "12", "--log-interval", "1", "--eval-iters", "0",
+    "--eval-interval", "1000", "--log-throughput",
+]
+THROUGHPUT_WARMUP = 4  # iterations left out of the median step time
+# Patches the unpatched run keeps: without them no run starts at all.
+KEPT_UNPATCHED = {
+    "dataset-helpers-prebuilt": "megatron would run make in the wheel's datasets folder, which "
+                                "has no Makefile, and exit",
+}
 
 LOG_LINES = {
     "layer census": re.compile(r"\[megatron_patches\] layer census: "),
@@ -47,16 +121,99 @@ LOG_LINES = {
     "load guard applied": re.compile(r"checkpoint-load-guard: applied"),
 }
 MFU_LINE = re.compile(r" MFU: [0-9.]+% \|")
+FIGURES = {
+    "census": re.compile(r"^\[megatron_patches\] layer census: (.*)$", re.M),
+    "parameters": re.compile(r"^\[megatron_patches\] parameters of the model built: total (\d+)",
+                             re.M),
+    "FLOPs per iteration": re.compile(r"^FLOPs per iteration: (\d+)$", re.M),
+}
+PATCH_STATUS = re.compile(r"^\[megatron_patches\] ([a-z0-9-]+): (?:applied|skipped)", re.M)
+STEP_TIME = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.* elapsed time per iteration \(ms\): "
+                       r"([0-9.]+) \|")
+STRICT_REFUSAL = "NCCL would refuse a host tensor"  # strict mode's words (cpu_backend)
+VERDICT = re.compile(r"^case (.+?): (passed|refused: .*)$", re.M)
 
 
 @dataclasses.dataclass
 class Step:
     name: str
-    verdict: str  # PASS, SKIP, FAIL
+    verdict: str  # PASS, FAIL, NOT RUN
     detail: str
 
     def line(self) -> str:
         return f"{self.verdict} {self.name}: {self.detail}"
+
+
+class StepFailed(Exception):
+    """A step's FAIL, with what failed."""
+
+
+class Budget:
+    """The seconds the check may still spend: each launch gets at most what is left."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def timeout(self, limit: float) -> float:
+        return max(1.0, min(limit, self.left()))
+
+
+@dataclasses.dataclass
+class Check:
+    """What every step shares: where logs go, the time left, the device."""
+
+    work: Path
+    logs: Path
+    budget: Budget
+    on_gpu: bool
+
+    def environment(self, extra: dict | None = None, cpu_backend: bool = False) -> dict:
+        # The repository first, then the PYTHONPATH given (carried wheels), never replaced.
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        env.setdefault("OMP_NUM_THREADS", "1")  # as the test suite runs its CPU ranks
+        if cpu_backend:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU backend, also on a GPU machine
+        return {**env, **(extra or {})}
+
+    def run(self, what: str, command: list[str], log_name: str, limit: float,
+            env: dict) -> str:
+        """Runs `command` in a process group of its own, its output to logs/log_name (a file,
+        not a pipe: a process the launch leaves behind cannot hold the check up). Raises
+        StepFailed naming `what` when it runs past its timeout or exits non-zero."""
+        timeout = self.budget.timeout(limit)
+        with open(self.logs / log_name, "wb") as out:
+            proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            # What the launch left running goes with it (megatron's checkpoint writer starts a
+            # manager process per rank that can outlive the rank).
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log = (self.logs / log_name).read_text(errors="replace")
+        if timed_out:
+            raise StepFailed(f"{what} timed out after {timeout:.0f} s; see {log_name}")
+        if proc.returncode != 0:
+            last = log.strip().splitlines()[-1] if log.strip() else ""
+            raise StepFailed(f"{what} exited {proc.returncode}; see {log_name}: {last[-300:]}")
+        return log
+
+    def torchrun(self, what: str, script: Path, args: list[str], log_name: str,
+                 env: dict | None = None, cpu_backend: bool = False,
+                 limit: float = TINY_LAUNCH_SECONDS) -> str:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "1", str(script), *args]
+        return self.run(what, command, log_name, limit, self.environment(env, cpu_backend))
 
 
 def device_slug() -> str:
@@ -65,14 +222,51 @@ def device_slug() -> str:
     return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
 
 
-def transformer_engine_imports() -> bool:
+def transformer_engine_problem(on_gpu: bool) -> str | None:
+    """None when Transformer Engine imports here, else why its step cannot run."""
     if importlib.util.find_spec("transformer_engine") is None:
-        return False
+        return "transformer_engine is not installed"
+    if not on_gpu:
+        return "needs CUDA"
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a TE built for another torch/CUDA fails in many ways on import
-        return False
-    return True
+        done = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"],
+                              capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return "import transformer_engine.pytorch did not finish in 180 s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return f"import transformer_engine.pytorch failed: {last[-300:]}"
+    return None
+
+
+def logged_figures(log: str) -> dict[str, str]:
+    """The census, parameter total and FLOPs per iteration a run logged (first of each)."""
+    return {name: found.group(1).strip() for name, pattern in FIGURES.items()
+            if (found := pattern.search(log))}
+
+
+def figures_differ(log: str, reference: dict[str, str] | None) -> str | None:
+    if reference is None:
+        return "no CPU reference figures to compare with (cpu-reference failed)"
+    figures = logged_figures(log)
+    if missing := [name for name in FIGURES if name not in figures]:
+        return f"log lacks the {', '.join(missing)} figure(s)"
+    differing = [f"{name} {figures[name]!r} != CPU's {reference[name]!r}"
+                 for name in FIGURES if figures[name] != reference[name]]
+    return "; ".join(differing) or None
+
+
+def flop_count_differs(path: Path) -> tuple[str | None, str]:
+    """(what is wrong or None, a summary) of one $FLOP_COUNT_FILE."""
+    if not path.is_file():
+        return "the launch wrote no FlopCounterMode count", ""
+    counted = json.loads(path.read_text())
+    measured, predicted = counted["flop_counter"], counted["census"]
+    summary = (f"FlopCounterMode on {counted['device']}: {measured} FLOPs per micro-batch, "
+               f"census {predicted:.0f}")
+    if abs(predicted - measured) > FLOP_COUNTER_TOLERANCE * measured:
+        return f"{summary}: off by more than {FLOP_COUNTER_TOLERANCE:.0%}", summary
+    return None, summary
 
 
 def missing_lines(log: str, on_gpu: bool) -> list[str]:
@@ -98,77 +292,234 @@ def losses_agree(full: dict[int, float], resumed: dict[int, float], exact: bool)
     return None
 
 
-def audit(checkpoint: Path) -> str | None:
-    done = subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
-                           str(checkpoint)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if done.returncode != 0:
-        return f"checkpoint audit exit {done.returncode}: {(done.stdout + done.stderr)[-600:]}"
+def state_differs(saved: Path, loaded: Path) -> str | None:
+    """None when the optimizer state loaded equals the state saved bit for bit (the snapshots
+    of tests/_observed_launch.py $SNAPSHOT_DIR), else what differs."""
+    if not saved.is_file() or not loaded.is_file():
+        return f"no optimizer snapshot {saved.name if not saved.is_file() else loaded.name}"
+    at_save = torch.load(saved, map_location="cpu", weights_only=True)
+    after_load = torch.load(loaded, map_location="cpu", weights_only=True)
+    if not at_save:
+        return "the optimizer snapshot at save is empty"
+    if at_save.keys() != after_load.keys():
+        return "optimizer state keys differ after the load"
+    differing = [key for key, value in at_save.items() if not torch.equal(value, after_load[key])]
+    if differing:
+        return f"{len(differing)} optimizer state tensors differ after the load, e.g. {differing[0]}"
     return None
 
 
-def train_save_resume(name: str, flags: list[str], work: Path, logs: Path) -> Step:
-    """Trains 2K iterations saving at K, resumes from K in a new process, compares losses."""
-    on_gpu = torch.cuda.is_available()
-    common = [*TINY_MODEL, *flags, "--train-iters", str(2 * K), "--save-interval", str(K)]
-    started = time.perf_counter()
-    full = launch(1, [*common, "--save", str(work / name / "full"),
-                      "--tensorboard-dir", str(work / name / "tb_full")])
-    (logs / f"{name}_full.log").write_text(full.log)
-    if full.returncode != 0:
-        return Step(name, "FAIL", f"training exited {full.returncode}; see {name}_full.log: "
-                    f"{full.log.strip().splitlines()[-1] if full.log.strip() else ''}")
-    resumed = launch(1, [*common, "--load", str(work / name / "full"), "--ckpt-step", str(K),
-                         "--save", str(work / name / "resumed"),
-                         "--tensorboard-dir", str(work / name / "tb_resumed")])
-    (logs / f"{name}_resumed.log").write_text(resumed.log)
-    if resumed.returncode != 0:
-        return Step(name, "FAIL", f"resume exited {resumed.returncode}; see {name}_resumed.log")
-    problems = []
-    if missing := missing_lines(full.log, on_gpu):
-        problems.append(f"log lacks {', '.join(missing)}")
-    if difference := losses_agree(tensorboard_scalars(work / name / "tb_full", "lm loss"),
-                                  tensorboard_scalars(work / name / "tb_resumed", "lm loss"),
-                                  exact=not on_gpu):
-        problems.append(difference)
-    if finding := audit(work / name / "full"):
-        problems.append(finding)
+def audit(check: Check, name: str, checkpoint: Path) -> str | None:
+    try:
+        check.run(f"checkpoint audit of {checkpoint.name}",
+                  [sys.executable, "-m", "megatron_patches.checkpoint_audit", str(checkpoint)],
+                  f"{name}_audit.log", AUDIT_SECONDS, check.environment())
+    except StepFailed as failure:
+        return str(failure)
+    return None
+
+
+def cpu_reference(check: Check) -> tuple[Step, dict[str, str]]:
+    """The tiny MoE on the CPU backend, and the figures later runs of it must log."""
+    counted = check.work / "flops_cpu.json"
+    log = check.torchrun("CPU reference launch", OBSERVED,
+                         [*TINY_MODEL, *LOCAL_SPEC, "--train-iters", "1"], "cpu-reference.log",
+                         env={"FLOP_COUNT_FILE": str(counted)}, cpu_backend=True)
+    figures = logged_figures(log)
+    if missing := [name for name in FIGURES if name not in figures]:
+        raise StepFailed(f"the CPU run logged no {', '.join(missing)} figure(s)")
+    problem, summary = flop_count_differs(counted)
+    if problem:
+        raise StepFailed(problem)
+    detail = (f"census {figures['census']!r}, {figures['parameters']} parameters, "
+              f"{figures['FLOPs per iteration']} FLOPs per iteration; {summary}")
+    return Step("cpu-reference", "PASS", detail), figures
+
+
+def flop_counter_cuda(check: Check, reference: dict[str, str] | None) -> Step:
+    counted = check.work / "flops_cuda.json"
+    log = check.torchrun("CUDA launch", OBSERVED,
+                         [*TINY_MODEL, *LOCAL_SPEC, "--train-iters", "1"],
+                         "flop-counter-cuda.log", env={"FLOP_COUNT_FILE": str(counted)})
+    problem, summary = flop_count_differs(counted)
+    problems = [p for p in (problem, figures_differ(log, reference)) if p]
     if problems:
+        return Step("flop-counter-cuda", "FAIL", "; ".join(problems))
+    return Step("flop-counter-cuda", "PASS", f"{summary}; census, parameters and FLOPs per "
+                "iteration equal the CPU reference")
+
+
+def train_save_resume(check: Check, name: str, flags: list[str],
+                      reference: dict[str, str] | None) -> Step:
+    """Trains 2K iterations saving at K, resumes from K in a new process, compares."""
+    started = time.perf_counter()
+    root = check.work / name
+    snapshots = {run: root / f"snapshots_{run}" for run in ("full", "resumed")}
+    for directory in snapshots.values():
+        directory.mkdir(parents=True)
+    common = [*TINY_MODEL, *flags, "--train-iters", str(2 * K), "--save-interval", str(K)]
+    full = check.torchrun(
+        "training", OBSERVED, [*common, "--save", str(root / "full"),
+                               "--tensorboard-dir", str(root / "tb_full")],
+        f"{name}_full.log", env={"SNAPSHOT_DIR": str(snapshots["full"])})
+    check.torchrun(
+        "resume", OBSERVED, [*common, "--load", str(root / "full"), "--ckpt-step", str(K),
+                             "--save", str(root / "resumed"),
+                             "--tensorboard-dir", str(root / "tb_resumed")],
+        f"{name}_resumed.log", env={"SNAPSHOT_DIR": str(snapshots["resumed"])})
+    problems = []
+    if missing := missing_lines(full, check.on_gpu):
+        problems.append(f"log lacks {', '.join(missing)}")
+    problems.append(figures_differ(full, reference))
+    problems.append(state_differs(snapshots["full"] / f"save{K}_rank0.pt",
+                                  snapshots["resumed"] / "load_rank0.pt"))
+    problems.append(losses_agree(tensorboard_scalars(root / "tb_full", "lm loss"),
+                                 tensorboard_scalars(root / "tb_resumed", "lm loss"),
+                                 exact=not check.on_gpu))
+    problems.append(audit(check, name, root / "full"))
+    if problems := [problem for problem in problems if problem]:
         return Step(name, "FAIL", "; ".join(problems))
-    mfu = MFU_LINE.search(full.log)
-    return Step(name, "PASS", f"trained, saved at {K}, resumed to {2 * K} with "
-                f"{'equal' if not on_gpu else 'matching'} losses, audit complete"
+    mfu = MFU_LINE.search(full)
+    return Step(name, "PASS", f"figures equal the CPU reference; saved at {K}, optimizer state "
+                f"loaded bit-exact, resumed to {2 * K} with "
+                f"{'equal' if not check.on_gpu else 'matching'} losses, audit complete"
                 f"{'; ' + mfu.group(0).strip(' |') if mfu else ''} "
                 f"({time.perf_counter() - started:.0f} s)")
 
 
-def run_checks(work: Path, logs: Path) -> list[Step]:
-    on_gpu = torch.cuda.is_available()
-    have_te = transformer_engine_imports()
-    steps = [Step("environment", "PASS",
-                  f"torch {torch.__version__}, CUDA {torch.version.cuda}, device "
-                  f"{torch.cuda.get_device_name() if on_gpu else 'none (CPU backend)'}, "
-                  f"Transformer Engine {'imports' if have_te else 'absent'}")]
-    dist_opt = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist",
-                "--moe-token-dispatcher-type", "alltoall"]
-    steps.append(train_save_resume("local-spec", [*dist_opt, "--transformer-impl", "local"],
-                                   work, logs))
-    if on_gpu and have_te:
-        steps.append(train_save_resume("te-grouped-gemm", [
-            *dist_opt, "--transformer-impl", "transformer_engine", "--moe-grouped-gemm"],
-            work, logs))
+def strict_verdicts(log: str) -> dict[str, str]:
+    verdicts = dict(VERDICT.findall(log))
+    if not verdicts:
+        raise StepFailed("the strict-device worker printed no verdicts")
+    return verdicts
+
+
+def strict_device_nccl(check: Check) -> Step:
+    """Host tensor refused by NCCL <=> refused by strict mode, case by case, at world size 1."""
+    strict = strict_verdicts(check.torchrun(
+        "strict-mode launch", STRICT_WORKER, [], "strict-device-cpu.log",
+        env={"MEGATRON_PATCHES_STRICT_DEVICE": "1"}, cpu_backend=True))
+    strict_refuses = {case for case, verdict in strict.items() if STRICT_REFUSAL in verdict}
+    if not check.on_gpu:
+        return Step("strict-device-nccl", "NOT RUN", f"needs CUDA (strict mode ran: refuses "
+                    f"{len(strict_refuses)} of {len(strict)} cases)")
+    nccl = strict_verdicts(check.torchrun("NCCL launch", STRICT_WORKER, [],
+                                          "strict-device-nccl.log"))
+    if nccl.keys() != strict.keys():
+        return Step("strict-device-nccl", "FAIL", f"cases differ: NCCL ran {sorted(nccl)}, "
+                    f"strict mode {sorted(strict)}")
+    nccl_refuses = {case for case, verdict in nccl.items() if verdict.startswith("refused")}
+    disagreements = [f"{case!r}: NCCL {nccl[case][:160]!r}, strict mode {strict[case][:160]!r}"
+                     for case in sorted(nccl_refuses ^ strict_refuses)]
+    if disagreements:
+        return Step("strict-device-nccl", "FAIL", "; ".join(disagreements))
+    return Step("strict-device-nccl", "PASS", f"NCCL refuses the {len(nccl_refuses)} host-tensor "
+                f"cases strict mode refuses and passes the other {len(nccl) - len(nccl_refuses)}")
+
+
+def median_step_ms(log: str) -> float:
+    times = [float(ms) for iteration, ms in STEP_TIME.findall(log)
+             if int(iteration) > THROUGHPUT_WARMUP]
+    if not times:
+        raise StepFailed(f"no step times logged after iteration {THROUGHPUT_WARMUP}")
+    return statistics.median(times)
+
+
+def throughput(check: Check) -> Step:
+    patched_log = check.torchrun("patched throughput launch", REPO / "pretrain_moe.py",
+                                 THROUGHPUT_MODEL, "throughput_patched.log",
+                                 limit=THROUGHPUT_LAUNCH_SECONDS)
+    patched = median_step_ms(patched_log)
+    # Every patch the run reported, applied or skipped, by the names it printed them under.
+    unpatched_names = [name for name in dict.fromkeys(PATCH_STATUS.findall(patched_log))
+                       if name not in KEPT_UNPATCHED]
+    unpatched = median_step_ms(check.torchrun(
+        "unpatched throughput launch", REPO / "pretrain_moe.py", THROUGHPUT_MODEL,
+        "throughput_unpatched.log", env={"MEGATRON_PATCHES_DISABLE": ",".join(unpatched_names)},
+        limit=THROUGHPUT_LAUNCH_SECONDS))
+    ratio = unpatched / patched
+    print(f"gpu throughput ratio patched/unpatched: {ratio:.3f}", flush=True)
+    kept = ", ".join(f"{name} ({why})" for name, why in KEPT_UNPATCHED.items())
+    return Step("throughput", "PASS", f"gpu throughput ratio patched/unpatched: {ratio:.3f} "
+                f"(median step {patched:.1f} ms patched, {unpatched:.1f} ms with "
+                f"{len(unpatched_names)} patches disabled; kept {kept})")
+
+
+def fused_accumulation(check: Check) -> Step:
+    name = "fused-accumulation"
+    try:
+        log = check.run("pytest", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
+                                   "-p", "no:cacheprovider", FUSED_TEST],
+                        f"{name}_pytest.log", PYTEST_SECONDS, check.environment())
+    except StepFailed as failure:
+        return Step(name, "FAIL", str(failure))
+    summary = log.strip().splitlines()[-1] if log.strip() else ""
+    reasons = sorted(set(re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", log, re.M)))
+    if " passed" in summary and "skipped" not in summary:
+        return Step(name, "PASS", summary.strip("= "))
+    if reasons and " passed" not in summary:
+        return Step(name, "NOT RUN", f"{'; '.join(reasons)} (pytest skipped it)")
+    return Step(name, "FAIL", f"pytest: {summary.strip('= ')}; see {name}_pytest.log")
+
+
+def report(step: Step) -> Step:
+    print(step.line(), flush=True)
+    return step
+
+
+def run_step(check: Check, name: str, step, needs_cuda: bool = False) -> Step:
+    """One step's verdict, printed as it comes: its own, FAIL with what failed, NOT RUN where
+    it needs CUDA and there is none, or when no time is left."""
+    if needs_cuda and not check.on_gpu:
+        return report(Step(name, "NOT RUN", "needs CUDA"))
+    if check.budget.left() < MINIMUM_LAUNCH_SECONDS:
+        return report(Step(name, "NOT RUN", "no time left in the check's budget"))
+    try:
+        return report(step())
+    except StepFailed as failure:
+        return report(Step(name, "FAIL", str(failure)))
+
+
+def run_checks(check: Check) -> tuple[list[Step], str | None]:
+    """The steps' verdicts, and why the Transformer Engine step did not run (None if it ran)."""
+    te_problem = transformer_engine_problem(check.on_gpu)
+    steps = [report(Step("environment", "PASS",
+                         f"torch {torch.__version__}, CUDA {torch.version.cuda}, device "
+                         f"{torch.cuda.get_device_name() if check.on_gpu else 'none (CPU backend)'}"
+                         f", Transformer Engine: {te_problem or 'imports'}"))]
+    found = {}  # the CPU reference's figures, once it passed
+
+    def reference() -> Step:
+        step, found["figures"] = cpu_reference(check)
+        return step
+
+    steps.append(run_step(check, "cpu-reference", reference))
+    figures = found.get("figures")
+    steps.append(run_step(check, "flop-counter-cuda", lambda: flop_counter_cuda(check, figures),
+                          needs_cuda=True))
+    steps.append(run_step(check, "local-spec", lambda: train_save_resume(
+        check, "local-spec", LOCAL_SPEC, figures)))
+    steps.append(run_step(check, "strict-device-nccl", lambda: strict_device_nccl(check)))
+    if te_problem is None:
+        steps.append(run_step(check, "te-grouped-gemm", lambda: train_save_resume(
+            check, "te-grouped-gemm", TE_GROUPED_GEMM, figures)))
+        if steps[-1].verdict == "NOT RUN":
+            te_problem = steps[-1].detail
     else:
-        steps.append(Step("te-grouped-gemm", "SKIP", "needs CUDA and Transformer Engine"
-                          if not on_gpu else "Transformer Engine does not import here"))
-    if on_gpu:
-        steps.append(train_save_resume("megatron-fsdp", [
-            "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-            "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
-            "--moe-token-dispatcher-type", "alltoall"], work, logs))
-    else:
-        steps.append(Step("megatron-fsdp", "SKIP", "needs CUDA (NCCL, bf16 Megatron-FSDP "
-                          "buffers); its CPU runs are the test suite's"))
-    return steps
+        steps.append(report(Step("te-grouped-gemm", "NOT RUN", te_problem)))
+    steps.append(run_step(check, "megatron-fsdp", lambda: train_save_resume(
+        check, "megatron-fsdp", MEGATRON_FSDP, figures), needs_cuda=True))
+    steps.append(run_step(check, "throughput", lambda: throughput(check), needs_cuda=True))
+    steps.append(run_step(check, "fused-accumulation", lambda: fused_accumulation(check)))
+    return steps, te_problem
+
+
+def summary_line(steps: list[Step], te_problem: str | None) -> str:
+    counts = {verdict: sum(step.verdict == verdict for step in steps)
+              for verdict in ("PASS", "FAIL", "NOT RUN")}
+    line = (f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, "
+            f"{counts['NOT RUN']} not run")
+    return line + (f"; TE step not run: {te_problem}" if te_problem else "")
 
 
 def main() -> int:
@@ -177,17 +528,15 @@ def main() -> int:
     slug = device_slug()
     logs = results / f"gpu_check_{slug}_logs"
     logs.mkdir(exist_ok=True)
+    budget = Budget(float(os.environ.get("GPU_CHECK_SECONDS", "480")))
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
-        steps = run_checks(Path(work), logs)
+        steps, te_problem = run_checks(Check(Path(work), logs, budget, torch.cuda.is_available()))
     lines = [f"gpu_check on {slug} ({time.strftime('%Y-%m-%d %H:%M:%S %Z')})"]
     lines += [step.line() for step in steps]
-    failed = [step for step in steps if step.verdict == "FAIL"]
-    lines.append(f"{sum(s.verdict == 'PASS' for s in steps)} passed, {len(failed)} failed, "
-                 f"{sum(s.verdict == 'SKIP' for s in steps)} skipped")
-    text = "\n".join(lines) + "\n"
-    (results / f"gpu_check_{slug}.txt").write_text(text)
-    print(text, end="", flush=True)
-    return 1 if failed else 0
+    lines.append(summary_line(steps, te_problem))
+    (results / f"gpu_check_{slug}.txt").write_text("\n".join(lines) + "\n")
+    print(lines[-1], flush=True)
+    return 1 if any(step.verdict == "FAIL" for step in steps) else 0
 
 
 if __name__ == "__main__":

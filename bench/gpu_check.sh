@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # The prepared GPU check (bench/gpu_check.py): one command for a GPU machine, which also runs on
-# CPU, skipping what needs CUDA and saying so.
+# CPU, saying NOT RUN for what needs CUDA.
 #
 #   bash bench/gpu_check.sh
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. Where megatron-core is not installed
-# (a bare GPU image), wheels carried in .whl/ (megatron-core 0.19.2 and what it needs beyond the
-# image) are installed into /tmp/site first. Results: bench/results/gpu_check_<device>.txt and
-# the run logs beside it (or under $GPU_CHECK_RESULTS); copied to $OUT when that is set.
+# (a bare GPU image), the wheels in .whl/ are installed into /tmp/site first and put on
+# PYTHONPATH (before what it held), which every launch keeps. Results:
+# bench/results/gpu_check_<device>.txt and the launches' logs beside it (or under
+# $GPU_CHECK_RESULTS); copied to $OUT when that is set (the summary and one archive of the logs:
+# $OUT takes few files).
+#
+# On this workplace's H200 machine (torch 2.11 CUDA 13, Python 3.12; numpy, packaging, einops,
+# psutil, tensorboard and pytest are in its image, Transformer Engine and apex are not), .whl/
+# must hold megatron-core alone (2.4 MB; .whl/ is git-ignored, never committed). Prepare it once:
+#
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl megatron-core==0.19.2
+#
+# then call the device tool's run with command `bash bench/gpu_check.sh`, carry [".whl"] and
+# timeout_s 540: the check spends at most $GPU_CHECK_SECONDS (default 480) on its launches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +39,8 @@ export PYTHONUNBUFFERED=1
 status=0
 "$python" bench/gpu_check.py || status=$?
 if [[ -n ${OUT:-} ]]; then
-  cp -r "${GPU_CHECK_RESULTS:-bench/results}"/gpu_check_* "$OUT"/ 2>/dev/null || true
+  results=${GPU_CHECK_RESULTS:-bench/results}
+  cp "$results"/gpu_check_*.txt "$OUT"/ 2>/dev/null || true
+  (cd "$results" && tar -czf "$OUT"/gpu_check_logs.tar.gz gpu_check_*_logs) || true
 fi
 exit $status
