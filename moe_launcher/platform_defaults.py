@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from moe_launcher.command_line import flag_value
+
 
 @dataclasses.dataclass(frozen=True)
 class PlatformDefault:
@@ -70,7 +72,7 @@ def _add_missing(argv: list[str], defaults) -> tuple[list[str], list[str]]:
 
 def _model_defaults(argv: list[str]) -> tuple[PlatformDefault, ...]:
     """Settings megatron defaults to but cannot train with for this model."""
-    moe = _flag_value(argv, "--num-experts") not in (None, "0")
+    moe = flag_value(argv, "--num-experts") not in (None, "0")
     gated = "--swiglu" in argv or "--quick-geglu" in argv
     with_bias = "--disable-bias-linear" not in argv  # without bias megatron drops the fusion
     # megatron fuses bias + GELU by default (--no-bias-gelu-fusion turns it off), but its
@@ -90,22 +92,13 @@ def with_model_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
     return _add_missing(argv, _model_defaults(argv))
 
 
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def with_logging_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
     """With `--wandb-project`, the flags megatron needs to send loss and throughput to wandb: it
     logs scalars to wandb only through its TensorBoard writer, and throughput only with
     `--log-throughput --log-timers-to-tensorboard`."""
-    if _flag_value(argv, "--wandb-project") is None:
+    if flag_value(argv, "--wandb-project") is None:
         return argv, []
-    base = _flag_value(argv, "--wandb-save-dir") or _flag_value(argv, "--save") or "runs"
+    base = flag_value(argv, "--wandb-save-dir") or flag_value(argv, "--save") or "runs"
     return _add_missing(argv, (
         PlatformDefault(("--tensorboard-dir", os.path.join(base, "tensorboard")),
                         "wandb scalars go through megatron's TensorBoard writer"),
@@ -128,7 +121,7 @@ _WANT_MANY_DEVICE_CONNECTIONS = ("--use-torch-fsdp2", "--use-megatron-fsdp",
 
 def _size(argv: list[str], flag: str) -> int:
     try:
-        return int(_flag_value(argv, flag) or 1)
+        return int(flag_value(argv, flag) or 1)
     except ValueError:  # megatron's parser refuses it with its own message
         return 1
 

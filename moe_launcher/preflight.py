@@ -20,6 +20,7 @@ import importlib.util
 import os
 from typing import Callable
 
+from moe_launcher.command_line import flag_value
 from moe_launcher.runtime.refusals import PreflightError
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +66,6 @@ _GPU_REQUESTS = (
 )
 
 
-def _last_value(argv: list[str], flag: str) -> str | None:
-    """The value megatron's parser keeps for `flag`: its last occurrence (no abbreviations)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def check_gpu_request(argv: list[str], cuda_available: bool, environ=os.environ) -> None:
     """Refuses a command line that asks for GPUs by name where no CUDA device is visible (a GPU
     recipe submitted without --gpus-per-node, a driver gone): the launcher would switch to its
@@ -84,7 +74,7 @@ def check_gpu_request(argv: list[str], cuda_available: bool, environ=os.environ)
     if cuda_available:
         return
     for flag, value, cpu_fix in _GPU_REQUESTS:
-        if _last_value(argv, flag) != value:
+        if flag_value(argv, flag) != value:
             continue
         import socket
 
