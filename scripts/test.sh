@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Sets up both environments and runs the whole CPU test suite:
 #   default (megatron-core 0.19.2, .venv) and legacy (megatron-core 0.15.x, .venv-legacy).
-# Extra arguments go to the default suite's pytest (e.g. -k resume, -x).
+# Extra arguments go to the default suite's pytest (e.g. -k resume, -x). Each run ends with its
+# 25 slowest tests; a test past 600 s fails with its stacks (pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/setup.sh
 status=0
-.venv/bin/python -m pytest -q -m "not legacy" "$@" tests || status=$?
+.venv/bin/python -m pytest -q -m "not legacy" --durations=25 "$@" tests || status=$?
 
 if [ -f requirements-legacy.lock ]; then
   MCORE=legacy bash scripts/setup.sh
-  LEGACY_SUITE=1 .venv-legacy/bin/python -m pytest -q -m legacy tests/megatron_patches/fsdp/test_legacy_*.py || status=$?
+  LEGACY_SUITE=1 .venv-legacy/bin/python -m pytest -q -m legacy --durations=5 tests/megatron_patches/fsdp/test_legacy_*.py || status=$?
 fi
 exit $status

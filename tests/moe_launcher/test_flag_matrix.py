@@ -6,12 +6,10 @@ What each part proves, honestly:
   (pretrain_moe.main: defaults, preflight, megatron's validation, pretrain()) in ONE process
   (tests/_flag_matrix_worker.py runs them one after another, resetting megatron's global
   state between them) -- one process start instead of one per case.
-- REFUSED: judged in this process by the launcher's pre-work entry
-  (moe_launcher.megatron_validation.checked_command_line, the function pretrain_moe.main calls
-  before it initialises anything) with the platform defaults main adds. This proves the one
-  refusal line and that nothing was written; the exit-status/every-rank/no-traceback contract
-  of that refusal is proven end to end once under torchrun (test_megatron_refusal_end_to_end)
-  and by tests/moe_launcher/test_preflight.py.
+- REFUSED: judged in this process by what pretrain_moe.main runs before it initialises
+  anything (tests/_judge.py). This proves the one refusal line and that nothing was written;
+  the exit-status/every-rank/no-traceback contract of that refusal is proven end to end once
+  (test_megatron_refusal_end_to_end) and by tests/moe_launcher/test_preflight.py.
 - ACCEPTED_LAYOUTS: multi-rank layouts only judged here (every check before work passes);
   training them is proven by the multi-rank tests (test_checkpoint_guard, test_train_resume).
 """
@@ -27,6 +25,7 @@ import sys
 
 import pytest
 
+from _judge import judge, launcher_checks
 from _launch import REPO, TINY_MODEL, launch
 
 BASE = [*TINY_MODEL, "--train-iters", "2"]
@@ -174,41 +173,6 @@ def test_matrix_size():
     assert len(TRAINS) + len(REFUSED) + len(ACCEPTED_LAYOUTS) >= 40
 
 
-@pytest.fixture(scope="module")
-def launcher_entry():
-    """The launcher's pre-work entry with the patches main applies (the layer-layout patch
-    wraps megatron's validate_args)."""
-    from megatron_patches import registry
-
-    registry.load_patches()
-    registry.apply_patches(registry.current_context(cpu_backend=True))
-    from moe_launcher.megatron_validation import checked_command_line
-
-    return checked_command_line
-
-
-def judge(entry, world: int, argv: list[str], monkeypatch) -> str | None:
-    """None when every check before work passes; else the refusal line."""
-    from moe_launcher.platform_defaults import (
-        set_environment_defaults, with_model_defaults, with_platform_defaults)
-    from moe_launcher.runtime.refusals import PreflightError
-
-    environ = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    set_environment_defaults(argv, environ)  # as pretrain_moe.main does, into monkeypatch's care
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the entry sets megatron's argv
-    argv, _ = with_platform_defaults(argv)
-    argv, _ = with_model_defaults(argv)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every argument
-            entry(argv)
-        return None
-    except PreflightError as error:
-        return error.line()
-
-
 def filled(argv: list[str], tmp_path) -> list[str]:
     (tmp_path / "a-file").write_text("")
     names = {"{save}": str(tmp_path / "ckpt"), "{missing}": str(tmp_path / "no-such-ckpt"),
@@ -217,10 +181,10 @@ def filled(argv: list[str], tmp_path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", REFUSED)
-def test_refused_in_one_line_before_any_work(case, launcher_entry, tmp_path, monkeypatch):
+def test_refused_in_one_line_before_any_work(case, tmp_path, monkeypatch):
     world, argv, flag = REFUSED[case]
     before = sorted(os.listdir(tmp_path))
-    line = judge(launcher_entry, world, filled(argv, tmp_path), monkeypatch)
+    line = judge(world, filled(argv, tmp_path), monkeypatch)
     assert line is not None, f"{case}: accepted, but it cannot train"
     assert line.startswith("pretrain_moe: error: ") and "\n" not in line, line
     assert flag in line and "fix:" in line, line
@@ -228,14 +192,15 @@ def test_refused_in_one_line_before_any_work(case, launcher_entry, tmp_path, mon
 
 
 @pytest.mark.parametrize("case", ACCEPTED_LAYOUTS)
-def test_parallel_layouts_pass_every_check(case, launcher_entry, monkeypatch):
+def test_parallel_layouts_pass_every_check(case, monkeypatch):
     world, argv = ACCEPTED_LAYOUTS[case]
-    assert judge(launcher_entry, world, argv, monkeypatch) is None
+    assert judge(world, argv, monkeypatch) is None
 
 
-def test_gelu_and_squared_relu_get_the_fusion_setting_that_trains(launcher_entry, monkeypatch):
+def test_gelu_and_squared_relu_get_the_fusion_setting_that_trains(monkeypatch):
     """megatron's config refuses its own default bias-GELU fusion for squared ReLU; the model
     default turns it off, and a user's explicit choice is left alone."""
+    launcher_checks()  # the patches main applies
     from moe_launcher.platform_defaults import with_model_defaults, with_platform_defaults
 
     # megatron's validation and config alone (the local-spec bias check is preflight's)

@@ -2,9 +2,12 @@
 anything -- one line naming the flag and the fix, printed once, exit status 2, no traceback,
 nothing written to --save.
 
-Each case runs pretrain_moe.py on every rank of its world (every rank exits with status 2, rank
-0 prints the line); one case goes through torchrun with two ranks, as users start it, to show
-the job stops and the message is printed once.
+Each rule is judged in this process by what pretrain_moe.main runs before any work
+(tests/_judge.py), as rank 0 of its world. The contract of a refusal on every rank is proven by
+real launches, each once: a world of four ranks (every rank exits with status 2, rank 0 prints
+the line, nothing is written), an unsupported megatron-core (refused before megatron is
+imported), and torchrun with two ranks, as users start it, to show the job stops and the
+message is printed once.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import pytest
 
+from _judge import judge
 from _launch import REPO, TINY_MODEL, launch
 
 
@@ -85,8 +89,6 @@ CASES = {
                                                        "--tokenizer-model", str(REPO / "examples")],
                                                    "--tokenizer-model"),
 }
-# Counted in the report: every case is a bad input that must be refused.
-BAD_INPUTS_TRIED = len(CASES) + 2  # + the unsupported megatron-core install + the torchrun case
 
 
 def assert_refused(run, world: int, flag: str, save_dir, seconds: float) -> None:
@@ -101,15 +103,29 @@ def assert_refused(run, world: int, flag: str, save_dir, seconds: float) -> None
     assert seconds < 120, f"took {seconds:.0f}s"
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path):
+def case_command_line(case: str, save) -> tuple[int, list[str], str]:
     world, flags, flag = CASES[case]
     flags = flags if flags and flags[0] == BASE[0] else [*BASE, *flags]
-    save = tmp_path / "ckpt"
     if case != "save-without-save-interval":
         flags = [*flags, "--save-interval", "1"]
+    return world, [*flags, "--save", str(save), "--eval-interval", "1000"], flag
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path, monkeypatch):
+    world, argv, flag = case_command_line(case, tmp_path / "ckpt")
+    line = judge(world, argv, monkeypatch)
+    assert line is not None, f"{case}: accepted"
+    assert line.startswith("pretrain_moe: error: ") and "\n" not in line, line
+    assert flag in line and "fix" in line.lower(), line
+    assert os.listdir(tmp_path) == [], "something was written"
+
+
+def test_every_rank_of_a_world_refuses_and_rank_0_explains(tmp_path):
+    save = tmp_path / "ckpt"
+    world, argv, flag = case_command_line("ep-x-etp-exceeds-stage", save)
     started = time.monotonic()
-    run = launch(world, [*flags, "--save", str(save), "--eval-interval", "1000"], timeout=180)
+    run = launch(world, argv, timeout=180)
     assert_refused(run, world, flag, save, time.monotonic() - started)
 
 
