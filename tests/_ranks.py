@@ -28,6 +28,7 @@ SIGKILL; when a rank is killed, the others are stopped at once. The launcher pri
 """
 
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -58,6 +59,11 @@ def _preload() -> None:
             importlib.import_module(module)
         except ImportError:  # megatron-core 0.15.x has no megatron.training or HybridModel
             pass
+    # What the import made lives as long as a rank does: out of the collector's sight (CPython's
+    # advice for servers that fork), no rank's collections walk it or write to its pages, and a
+    # rank's exit does not either. A 4-rank launch of the tiny model: 9.4 s -> 5.2 s from the
+    # ranks' start to their exit, 3.9 s -> 1.4 s of that their exit (2 cores).
+    gc.freeze()
 
 
 def _die_with_parent() -> None:
