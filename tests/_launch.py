@@ -175,6 +175,7 @@ class LiveRun:
                  script: Path = REPO / "pretrain_moe.py", env: dict | None = None,
                  torchrun: bool = False):
         self.proc = _start(nproc, args, env, script, torchrun, preexec)
+        self.torchrun = torchrun
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -198,7 +199,14 @@ class LiveRun:
         return psutil.Process(self.proc.pid).children()
 
     def rank(self, rank: int) -> psutil.Process:
-        """One rank's process, as tests/_ranks.py reports it."""
+        """One rank's process: as tests/_ranks.py reports it, or under torchrun the worker
+        started with that RANK (a forked rank's environment is set after its start, where
+        /proc does not show it; a torchrun worker's is its start's)."""
+        if self.torchrun:
+            workers = [child for child in self.ranks()
+                       if child.environ().get("RANK") == str(rank)]
+            assert len(workers) == 1, f"torchrun runs no rank {rank}:\n{self.log()[-3000:]}"
+            return workers[0]
         found = [line for line in self.lines if line.startswith("[ranks] pids: ")]
         assert found, f"no rank pids reported yet:\n{self.log()[-3000:]}"
         return psutil.Process(int(found[0].split()[2 + rank]))

@@ -4,11 +4,13 @@
 * each layout x sharding strategy trains, saves a checkpoint the audit CLI passes with every
   expert tensor at its true (whole, not per-ETP-rank) global shape, and resumes in new processes
   exactly where it stopped: the resumed run's losses equal the uninterrupted run's bit for bit
-  (the CPU path is deterministic: same reduction order, no atomics);
+  (the CPU path is deterministic: same reduction order, no atomics). EP2 x ETP2 with
+  optim_grads_params trains, saves and resumes under torchrun, as users launch;
 * an ETP2 checkpoint on 4 ranks loads into ETP1 on 2 ranks (another DP size) with identical
   weights;
-* a SIGKILL of a rank during an fsdp_dtensor save (ETP2 on 2 ranks) leaves the tracker naming
-  the previous checkpoint, which the audit passes and a restart resumes from;
+* a SIGKILL of a rank during an fsdp_dtensor save (ETP2 on 2 ranks, under torchrun, which then
+  stops the other rank) leaves the tracker naming the previous checkpoint, which the audit
+  passes and a restart resumes from;
 * the parameter census (#1778), whose figures are megatron's theoretical-memory line: the total
   counts DTensor global sizes (the model's parameters, as without FSDP), the most loaded rank
   and the weight+optimizer memory are what the ranks keep in Megatron-FSDP's buffers and the
@@ -62,6 +64,7 @@ LAYOUTS = {
                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
 }
 STRATEGIES = ("optim_grads_params", "no_shard")
+UNDER_TORCHRUN = ("ep2-etp2", "optim_grads_params")
 HOOKED = REPO / "tests" / "_commit_hooks_launch.py"
 OBSERVED = REPO / "tests" / "_observed_launch.py"
 CENSUS = re.compile(r"parameters of the model built: total (\d+), most loaded rank (\d+)")
@@ -108,7 +111,8 @@ def uninterrupted(tmp_path_factory):
             run = launch(4, [*fsdp_args(layout, strategy), "--save", str(directory / "ckpt"),
                              "--save-interval", str(SAVED_AT),
                              "--tensorboard-dir", str(directory / "tb")],
-                         env={"MEMORY_DIR": str(directory)}, script=OBSERVED, timeout=400)
+                         env={"MEMORY_DIR": str(directory)}, script=OBSERVED, timeout=400,
+                         torchrun=(layout, strategy) == UNDER_TORCHRUN)
             (directory / "run.log").write_text(run.check().log)
             runs[layout, strategy] = directory
         return runs[layout, strategy]
@@ -139,7 +143,7 @@ def test_saves_an_audited_checkpoint_and_resumes_where_it_stopped(layout, strate
 
     resumed = launch(4, [*fsdp_args(layout, strategy), "--load", str(full / "ckpt"),
                          "--ckpt-step", str(SAVED_AT), "--tensorboard-dir", str(tmp_path / "tb")],
-                     timeout=400).check()
+                     timeout=400, torchrun=(layout, strategy) == UNDER_TORCHRUN).check()
     assert f"at iteration {SAVED_AT}" in resumed.log, resumed.log[-3000:]
     before = tensorboard_scalars(full / "tb", "lm loss")
     after = tensorboard_scalars(tmp_path / "tb", "lm loss")
@@ -173,7 +177,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     args = [*fsdp_args("etp2-ep1", "optim_grads_params"), "--save", str(save), "--load", str(save),
             "--save-interval", "1"]
     # Held after megatron's save of iteration 2 returned and before the commit renames it.
-    run = LiveRun(args, nproc=2, script=HOOKED,
+    run = LiveRun(args, nproc=2, script=HOOKED, torchrun=True,
                   env={"COMMIT_HOOK": f"commit:iter_{2:07d}:wait={gate}"})
     try:
         deadline = time.monotonic() + 400
