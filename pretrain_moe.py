@@ -37,6 +37,7 @@ def main(argv: list[str]) -> None:
     if on_cpu:
         from moe_launcher import cpu_backend
 
+        cpu_backend.fallback_warnings_from_rank_0_only()  # before activate(), which warns too
         cpu_backend.activate()
 
     from megatron_patches import registry
@@ -53,13 +54,17 @@ def main(argv: list[str]) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 
+    from moe_launcher.argument_dump import argument_block_kept, write_argument_block
     from moe_launcher.data import train_valid_test_datasets
     from moe_launcher.gpt_step import forward_step
     from moe_launcher.megatron_validation import checked_command_line, set_megatron_globals
 
     # Refuse a command line that cannot run before megatron initialises, builds or writes
     # anything: this project's checks, then megatron's own validation and config construction.
-    args, config = checked_command_line(argv)
+    with argument_block_kept() as argument_block:
+        args, config = checked_command_line(argv)
+    if line := write_argument_block(argument_block):
+        log0(line)
     set_megatron_globals(args)
     log0(f"[pretrain_moe] megatron-core {track} track, "
          f"{'CPU backend (gloo)' if on_cpu else 'CUDA'}, transformer-impl {args.transformer_impl}")

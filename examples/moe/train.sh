@@ -9,7 +9,9 @@
 #
 # Environment: RECIPE (default tiny_cpu), DATA_PATH (megatron --data-path value, blends allowed;
 # unset -> mock data), TOKENIZER_MODEL (with DATA_PATH: the local tokenizer folder it was
-# tokenized with), CKPT_DIR (default runs/$RECIPE/ckpt), WANDB_PROJECT, WANDB_EXP_NAME,
+# tokenized with), RUN_DIR (the run's folder, default runs/$RECIPE: megatron's argument dump
+# goes to $RUN_DIR/megatron_arguments.txt, named in the log), CKPT_DIR (default $RUN_DIR/ckpt),
+# WANDB_PROJECT, WANDB_EXP_NAME,
 # EXTRA_ARGS (extra megatron flags, appended last, so they override the recipe), NPROC (local
 # ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if present, else
 # python), NODES / GPUS_PER_NODE (override the recipe's size), LOG_INTERVAL (default the
@@ -122,7 +124,10 @@ else
   DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "$VOCAB_SIZE")
 fi
 
-CKPT_DIR=${CKPT_DIR:-runs/$RECIPE/ckpt}
+RUN_DIR=${RUN_DIR:-runs/$RECIPE}
+CKPT_DIR=${CKPT_DIR:-$RUN_DIR/ckpt}
+# megatron's 800-line argument dump goes to a file (pretrain_moe.py writes it on rank 0).
+export MEGATRON_ARGUMENTS_FILE=${MEGATRON_ARGUMENTS_FILE:-$RUN_DIR/megatron_arguments.txt}
 # --exit-signal-handler: on SIGTERM every rank finishes its iteration, saves and exits 0.
 CKPT_ARGS=(--save "$CKPT_DIR" --load "$CKPT_DIR" --exit-signal-handler)
 LOG_ARGS=(--log-interval "${LOG_INTERVAL:-$RECIPE_LOG_INTERVAL}" --log-throughput)

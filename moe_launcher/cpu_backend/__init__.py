@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moe_launcher.cpu_backend.cuda_emulation import CUDA_RUNTIME, NVTX, CudaToCpu, eager_compile
+from moe_launcher.cpu_backend.fallback_warnings import fallback_warnings_from_rank_0_only
 from moe_launcher.cpu_backend.gloo_bridges import (
     all_gather_uneven,
     meshes_on_cpu,
@@ -48,7 +49,8 @@ from moe_launcher.cpu_backend.strict_device import (
 )
 
 
-__all__ = ["STRICT_DEVICE_ENV", "activate", "strict_device"]
+__all__ = ["STRICT_DEVICE_ENV", "activate", "fallback_warnings_from_rank_0_only",
+           "strict_device"]
 
 _MODE: CudaToCpu | None = None
 

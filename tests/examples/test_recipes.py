@@ -56,7 +56,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The caller's environment without Slurm or launcher overrides."""
     drop = {"RECIPE", "DRY_RUN", "NODES", "GPUS_PER_NODE", "NPROC", "EXTRA_ARGS", "DATA_PATH",
             "TOKENIZER_MODEL", "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE",
-            "CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT"}
+            "CUDA_DEVICE_MAX_CONNECTIONS", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT",
+            "RUN_DIR", "MEGATRON_ARGUMENTS_FILE"}
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env["PYTHON"] = sys.executable
     env.update(extra)
@@ -375,17 +376,30 @@ def test_docker_build_checks_what_no_deps_leaves_out(tmp_path):
 def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
     if not (ROOT / "pretrain_moe.py").exists():
         pytest.skip("pretrain_moe.py does not exist yet (being written on main)")
-    ckpt = tmp_path / "ckpt"
-    out = train_sh(timeout=900, CKPT_DIR=str(ckpt), NPROC="4")
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "ckpt"  # train.sh's default CKPT_DIR, $RUN_DIR/ckpt
+    out = train_sh(timeout=900, RUN_DIR=str(run_dir), NPROC="4")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "[train.sh] command: " in out.stdout
+    # README's command 1 reads in a terminal: megatron's argument dump is in the run folder,
+    # named in one line; what a CPU run warns on every rank alike is said once, by rank 0.
+    log = out.stdout + out.stderr
+    assert len(log.splitlines()) <= 400, len(log.splitlines())
+    arguments = run_dir / "megatron_arguments.txt"
+    assert f"[pretrain_moe] megatron's arguments (" in log and f"): {arguments}" in log
+    dumped = arguments.read_text().splitlines()
+    assert len(dumped) > 500 and "  num_experts ...." in "\n".join(dumped)
+    assert "num_experts ...." not in log
+    assert log.count("Falling back to Torch optimizers") == 1, log[-4000:]
+    assert log.count("'pin_memory' argument is set as true") == 1, log[-4000:]
+    # and nothing a user needs went: the patch lines, the layout, FLOPs, the iterations
+    assert "[megatron_patches] layer census:" in log and "FLOPs per iteration" in log
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     assert tracker.exists(), sorted(p.name for p in ckpt.glob("*"))
     assert tracker.read_text().strip() == "20"
     # What the CPU backend causes is said once, not 640 times (its RNG stands in for CUDA's)
     from moe_launcher.cpu_backend import RNG_CONTEXT_NOTE, RNG_CONTEXT_WARNING
 
-    log = out.stdout + out.stderr
     assert RNG_CONTEXT_WARNING not in log.replace(RNG_CONTEXT_NOTE, ""), log[-4000:]
     assert log.count(RNG_CONTEXT_NOTE) == 1, log[-4000:]
     # and the throughput has digits that mean something on CPU, not megatron's 0.0

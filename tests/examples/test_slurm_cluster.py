@@ -160,7 +160,8 @@ PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State
         """This process's environment without Slurm's or train.sh's variables, plus SLURM_CONF."""
         drop = {"RECIPE", "DRY_RUN", "NODES", "GPUS_PER_NODE", "NPROC", "EXTRA_ARGS", "DATA_PATH",
                 "CKPT_DIR", "WANDB_PROJECT", "CONTAINER_IMAGE", "MASTER_ADDR", "MASTER_PORT",
-                "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT", "TRAIN_ITERS", "SAVE_INTERVAL"}
+                "WORLD_SIZE", "RANK", "LOCAL_RANK", "MOE_ROOT", "TRAIN_ITERS", "SAVE_INTERVAL",
+                "RUN_DIR", "MEGATRON_ARGUMENTS_FILE"}
         env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
         env.update(SLURM_CONF=str(self.conf), PYTHON=sys.executable, PYTHONUNBUFFERED="1")
         env.update(extra)
@@ -190,6 +191,7 @@ PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State
         (the second's does not, and train.sh refuses it as MASTER_ADDR)."""
         self.wait_idle(timeout=300)
         log = self.root / "out" / f"{name}.out"  # job ids restart at 1 with each fresh cluster
+        env.setdefault("RUN_DIR", str(self.root / "runs" / name))  # not the checkout's runs/
         done = self.run("sbatch", "--parsable", "-o", str(log), *(["--wait"] if wait else []),
                         *options, TRAIN_SH, timeout=timeout, **env)
         job_id = done.stdout.strip().split(";")[0]
