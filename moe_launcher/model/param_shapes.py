@@ -40,6 +40,8 @@ class ParamTruth:
     expert: bool
     # (group size, dim) the local shape is multiplied by; None: not partitioned
     partition: tuple[int, int] | None
+    # This rank's place in that group: which piece along `dim` it holds (0 if not partitioned)
+    partition_rank: int = 0
 
     @property
     def numel(self) -> int:
@@ -62,17 +64,19 @@ class Judgement:
     judged: int = 0
 
 
-def _group_size(module: torch.nn.Module, param: torch.Tensor) -> int:
+def _partition_group(module: torch.nn.Module, param: torch.Tensor) -> tuple[int, int]:
+    """(size, this rank's place) of the group that partitions `param`."""
     group = getattr(module, "_tp_group", None) or getattr(module, "tp_group", None)
     if group is not None and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size(group)
-    from megatron.core import parallel_state
+        return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    from megatron.core import parallel_state as ps
 
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
     if not getattr(param, "allreduce", True):  # megatron's mark of an expert parameter
-        return parallel_state.get_expert_tensor_parallel_world_size()
-    return parallel_state.get_tensor_model_parallel_world_size()
+        return (ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_rank())
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
 def param_truth(name: str, module: torch.nn.Module, param: torch.Tensor) -> ParamTruth | None:
@@ -83,12 +87,13 @@ def param_truth(name: str, module: torch.nn.Module, param: torch.Tensor) -> Para
     local_shape = tuple(local.shape)
     shape = list(local_shape)
     expert = not getattr(local, "allreduce", True) or ".experts." in f".{name}"
-    partition = None
+    partition, partition_rank = None, 0
     dim = getattr(local, "partition_dim", -1)
     if getattr(local, "tensor_model_parallel", False) and 0 <= dim < len(shape):
-        partition = (_group_size(module, local), dim)
-        shape[dim] *= partition[0]
-    return ParamTruth(name, local_shape, tuple(shape), expert, partition)
+        size, partition_rank = _partition_group(module, local)
+        partition = (size, dim)
+        shape[dim] *= size
+    return ParamTruth(name, local_shape, tuple(shape), expert, partition, partition_rank)
 
 
 def _strip_wrappers(name: str) -> str:

@@ -3,7 +3,9 @@ wording. pretrain_moe.py prints them without a traceback; every patch and check 
 raises one of these.
 
 * `PreflightError`: a command line or environment that cannot run, found before megatron builds
-  anything; rank 0 prints `pretrain_moe: error: ...` and every rank exits with `EXIT_STATUS`.
+  anything (or, where only the model built shows it, all ranks agreeing, before anything is
+  loaded or written: torch-format-shard-guard); rank 0 prints `pretrain_moe: error: ...` and
+  every rank exits with `EXIT_STATUS`.
 * `LayerLayoutError`: layers megatron would build, or built, other than the flags ask (#1778).
 * `CheckpointRefusal` (`CheckpointSaveError`, `CheckpointLoadError`): a save or load stopped on
   purpose once training runs; every rank prints its one line and exits 1.
