@@ -29,7 +29,7 @@ import os
 
 from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 from moe_launcher.model import layer_layout
-from moe_launcher.model.param_shapes import param_truth
+from moe_launcher.model.param_shapes import ModelParams
 from moe_launcher.runtime import collectives
 from moe_launcher.runtime.refusals import PreflightError
 
@@ -38,22 +38,15 @@ UPSTREAM = "NVIDIA/Megatron-LM#1719"
 
 def held_pieces(model_chunks) -> tuple:
     """What this rank holds, as far as it differs between ranks: its pipeline stage, its
-    expert-parallel rank where it holds experts, and its piece of every partitioned
-    parameter."""
+    expert-parallel rank where it holds experts, and its piece of every partitioned parameter
+    (in the chunks' order)."""
     from megatron.core import parallel_state as ps
 
-    pieces, experts = [], False
-    for index, chunk in enumerate(model_chunks):
-        for module_name, module in layer_layout.unwrap(chunk).named_modules():
-            for param_name, param in module.named_parameters(recurse=False):
-                truth = param_truth(f"{module_name}.{param_name}", module, param)
-                if truth is None:
-                    continue
-                experts = experts or truth.expert
-                if truth.partition is not None:
-                    pieces.append((index, truth.name, truth.partition_rank))
-    expert_rank = ps.get_expert_model_parallel_rank() if experts else 0
-    return ps.get_pipeline_model_parallel_rank(), expert_rank, tuple(pieces)
+    truths = [truth for _, truth in
+              ModelParams(layer_layout.unwrap(chunk) for chunk in model_chunks).by_id.values()]
+    pieces = tuple((t.name, t.partition_rank) for t in truths if t.partition is not None)
+    expert_rank = ps.get_expert_model_parallel_rank() if any(t.expert for t in truths) else 0
+    return ps.get_pipeline_model_parallel_rank(), expert_rank, pieces
 
 
 def _shared_files(files_and_pieces: list[tuple[str, tuple]]) -> list[tuple[str, list[int]]]:
@@ -90,9 +83,8 @@ def check_model(model_chunks, args) -> None:
             f"{ps.get_tensor_model_parallel_world_size()}, expert TP "
             f"{ps.get_expert_tensor_parallel_world_size()}) but would all write and read one file, "
             f"iter_*/{os.path.relpath(name, os.path.dirname(os.path.dirname(name)))}: all but "
-            "one piece would be lost without "
-            f"a word ({UPSTREAM}); fix: --ckpt-format torch_dist (or an expert tensor-parallel "
-            "size equal to the tensor-parallel size)")
+            f"one piece would be lost without a word ({UPSTREAM}); fix: --ckpt-format "
+            "torch_dist (or an expert tensor-parallel size equal to the tensor-parallel size)")
 
 
 def _wrap_optimizer_builder(get_megatron_optimizer):
