@@ -8,6 +8,7 @@ the same command under torchrun, for tests whose subject is how the launcher beh
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import functools
 import glob
@@ -75,6 +76,8 @@ class _RankServer:
                                      cwd=REPO, env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         atexit.register(self.proc.kill)
+        self.served = 0
+        self.unserved: collections.Counter[str] = collections.Counter()
         startup = []
         while not startup or startup[-1] != "[ranks] serving\n":
             line = self.proc.stdout.readline()
@@ -83,10 +86,20 @@ class _RankServer:
 
     def serves(self, env: dict) -> bool:
         changed = {key for key in {*env, *self.env} if env.get(key) != self.env.get(key)}
-        return self.proc.poll() is None and not any(
-            key.startswith(READ_AT_IMPORT) for key in changed)
+        read_at_import = sorted(key for key in changed if key.startswith(READ_AT_IMPORT))
+        self.unserved.update(read_at_import)
+        return self.proc.poll() is None and not read_at_import
+
+    def report(self) -> str:
+        """For the end of a run: a launch it did not serve imported torch and megatron again."""
+        line = f"rank server: {self.served} launches forked from its one import"
+        if self.unserved:
+            line += ("; launched on their own, for a differing " +
+                     ", ".join(f"{key} ({n})" for key, n in self.unserved.most_common()))
+        return line
 
     def start(self, nproc: int, script: Path, args: list[str], env: dict) -> "_ServedLaunch":
+        self.served += 1
         return _ServedLaunch(self.path, {"nproc": nproc, "script": str(script), "args": args,
                                          "env": env, "cwd": str(REPO)})
 
@@ -121,6 +134,10 @@ class _ServedLaunch:
 @functools.cache
 def _rank_server() -> _RankServer:
     return _RankServer()
+
+
+def rank_server_report() -> str | None:
+    return _rank_server().report() if _rank_server.cache_info().currsize else None
 
 
 def _start(nproc: int, args: list[str], env: dict | None, script: Path, torchrun: bool,

@@ -5,6 +5,7 @@ Without CUDA they rely on the CPU backend, which tests/conftest.py activates bef
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -12,6 +13,20 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 VOCAB = 128
+
+
+@contextlib.contextmanager
+def environment_kept():
+    """os.environ as it was before the block. megatron writes to it as it builds a model (the
+    attention backend's NVTE_*_ATTN), torch and a gloo world too; a test process that builds
+    models in-process must not hand that on to what it launches later (tests/conftest.py)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(before):
+            del os.environ[key]
+        os.environ.update(before)
 
 
 def init_world() -> None:
@@ -98,8 +113,9 @@ def build_gpt(config, seq_length: int):
     mtp_spec = None
     if config.mtp_num_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
-                    max_sequence_length=seq_length, mtp_block_spec=mtp_spec)
+    with environment_kept():
+        return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                        max_sequence_length=seq_length, mtp_block_spec=mtp_spec)
 
 
 def build_hybrid(config, pattern: str, seq_length: int, vocab: int = VOCAB):
@@ -113,8 +129,9 @@ def build_hybrid(config, pattern: str, seq_length: int, vocab: int = VOCAB):
     spec = local_hybrid_stack_spec(config.normalization, config.num_moe_experts)
     if config.multi_latent_attention:
         spec.submodules.mla_layer = _local_mla_layer()
-    return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=vocab,
-                       max_sequence_length=seq_length, hybrid_layer_pattern=pattern)
+    with environment_kept():
+        return HybridModel(config=config, hybrid_stack_spec=spec, vocab_size=vocab,
+                           max_sequence_length=seq_length, hybrid_layer_pattern=pattern)
 
 
 def _local_mla_layer():

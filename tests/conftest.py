@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # Test helper modules (tests/_*.py) import as top-level modules.
@@ -16,3 +17,32 @@ if not torch.cuda.is_available():
     # environment): a host tensor on a group that is NCCL on a GPU is refused, as NCCL would.
     os.environ[cpu_backend.STRICT_DEVICE_ENV] = "1"
     cpu_backend.activate()
+
+from _megatron_cpu import environment_kept  # noqa: E402  (after the CPU backend: see above)
+
+
+# In-process tests build megatron models and parse its arguments, and both write to os.environ
+# (megatron's attention backend sets NVTE_*_ATTN, torch sets TORCHINDUCTOR_CACHE_DIR, a gloo world
+# MASTER_*). Left there, every later launch would inherit them, and tests/_launch.py gives a
+# launch whose import-time environment differs from the rank server's a launcher of its own that
+# imports torch and megatron again: every launched test after the first in-process one took ~1.5x
+# its time. Put back after each module's fixtures and after each test (and after each model
+# tests/_megatron_cpu.py builds, for a test that launches after building one).
+@pytest.fixture(scope="module", autouse=True)
+def _environment_kept_per_module():
+    with environment_kept():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept_per_test():
+    with environment_kept():
+        yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many launches the rank server forked, and which it could not (tests/_launch.py)."""
+    import _launch
+
+    if report := _launch.rank_server_report():
+        terminalreporter.write_line(report)
