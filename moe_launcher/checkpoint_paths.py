@@ -2,8 +2,9 @@
 exists and is a checkpoint. megatron-core 0.19.2 trains from random weights, without an error,
 for a --load that is missing, a file, or a folder that holds files but no checkpoint (a typo
 naming a run's parent folder, or a data folder). An empty folder, and the run's own --save
-before its first checkpoint, start fresh, as megatron does. Registered with `preflight_check`
-(imported by megatron_validation.checked_command_line).
+before its first checkpoint, start fresh, as megatron does. A --save that holds another run's
+committed checkpoint is refused to a run that does not continue it (save_continuity). Registered
+with `preflight_check` (imported by megatron_validation.checked_command_line).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from moe_launcher.checkpoint_files import save_continuity
 from moe_launcher.preflight import preflight_check
 from moe_launcher.runtime.refusals import PreflightError
 
@@ -80,3 +82,11 @@ def check_load_is_a_checkpoint(args) -> None:
                                    f"{_TRACKER}, no iter_* folder; megatron would start from "
                                    "random weights); fix: pass the folder --save wrote, not its "
                                    "parent or a data folder")
+
+
+@preflight_check("save-holds-another-run")
+def check_save_continues(args) -> None:
+    # A --save that holds a committed checkpoint is for the run that continues it (--load of the
+    # same folder, no --finetune); megatron would let any other run write over it, silently.
+    if line := save_continuity.refusal(save_continuity.save_use(args)):
+        raise PreflightError("--save", line)

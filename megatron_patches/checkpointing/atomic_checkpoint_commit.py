@@ -11,20 +11,19 @@ or a resumed run that saves the iteration it loaded) rewrites those files in pla
 "atomic-checkpoint-commit" wraps `save_checkpoint` (module attribute, and the reference
 `megatron.training.training` imported) so that, for synchronous global saves:
 
-Only the one job that writes a directory ever cleans it up. Rank 0 claims its --save for the
-life of the process with an exclusive lock on `<save>/_checkpoint_writer.lock` (a POSIX record
-lock: the kernel, or the NFS/Lustre/GPFS lock manager, drops it when the process dies, however
-it dies) and writes its host, pid and job there. Holding the lock proves every earlier writer
-dead, so the claim then recovers what their crashes left (`recover`): a `_replaced_*` directory
-the tracker still names is moved back, other leftovers are removed. A second job that would write
-the same --save while the holder lives is refused, naming the holder. A job whose --load is
-another directory (an evaluation, a fine-tune) only reads there: the iteration the tracker names,
-never a staged one, and it writes nothing (the directory may be read-only). The claim happens at
-load time when --save already exists, else at the first save. Where the filesystem has no locks
-the lock file's record decides: a writer on this host whose process is gone is dead, one still
-running is refused, one on another host cannot be judged, and the claim says so and goes on.
+Only the one job that writes a directory ever cleans it up, and only once the earlier writer is
+proven gone. Rank 0 claims its --save for the life of the process with an exclusive lock on
+`<save>/_checkpoint_writer.lock` and a record there (host, pid, job; a heartbeat: the file's mtime,
+touched while it holds the claim; "released" at exit). The claim then recovers what earlier
+writers' crashes left (`recover`): a `_replaced_*` directory the tracker still names is moved
+back, other leftovers are removed. A second job that would write the same --save while the holder
+lives is refused, naming the holder; so is one that cannot tell (a writer on another host whose
+heartbeat is fresh, where locks may be node-local or absent). A job whose --load is another
+directory (an evaluation, a fine-tune) only reads there: the iteration the tracker names, never a
+staged one, and it writes nothing (the directory may be read-only). The claim happens at load time
+when --save already exists, else at the first save.
 
-Only the one job that writes a directory ever cleans it up: moe_launcher/checkpoint_files/writer_claim.py.
+The claim and its liveness rules: moe_launcher/checkpoint_files/writer_claim.py.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import shutil
 from typing import Callable
 
 from megatron_patches.registry import Patch, PatchContext, register
-from moe_launcher.checkpoint_files import commit_protocol
+from moe_launcher.checkpoint_files import commit_protocol, save_continuity
 from moe_launcher.checkpoint_files.commit_protocol import (
     STAGING_PREFIX,
     TRACKER,
@@ -55,13 +54,19 @@ COMMIT_MARK = "_megatron_patches_checkpoint_commit"
 SAVE_FAILURES = "_save_failures"
 
 
-def own(claims: WriterClaims, save_dir: str, create: bool) -> None:
-    """On every rank: rank 0 claims `save_dir` (`claims.claim`; only when it exists unless `create`)
-    and reports what it cleaned up; a refusal is raised on every rank alike."""
+def own(claims: WriterClaims, save_dir: str, create: bool, margs) -> None:
+    """On every rank: rank 0 claims `save_dir` (`claims.claim`; only when it exists unless `create`),
+    at its first claim moves aside what this run would write over (save_continuity.set_aside) and
+    reports what it did; a refusal is raised on every rank alike."""
     outcome: tuple[str, list[str]] = ("claimed", [])
     if collectives.rank() == 0 and (create or os.path.isdir(save_dir)):
+        first = os.path.realpath(save_dir) not in claims.held
         try:
-            outcome = ("claimed", claims.claim(save_dir))
+            lines = claims.claim(save_dir, progress=lambda line: print(
+                f"[megatron_patches] atomic-checkpoint-commit: {save_dir}: {line}", flush=True))
+            if first and (line := save_continuity.set_aside(save_continuity.save_use(margs))):
+                lines.append(line)
+            outcome = ("claimed", lines)
         except CheckpointSaveError as exc:
             outcome = ("refused", [str(exc)])
         except OSError as exc:  # e.g. not writable: megatron's own save reports that
@@ -310,7 +315,7 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
         dirname = iteration_dirname(iteration, release)
         scratch = os.path.join(save_dir, STAGING_PREFIX + TRACKER)
         rank0 = collectives.rank() == 0
-        own(claims, save_dir, create=True)
+        own(claims, save_dir, create=True, margs=margs)
         _say_if_retention_not_deferred(checkpointing, margs, said)
         if rank0 and os.path.isfile(os.path.join(save_dir, TRACKER)):
             shutil.copyfile(os.path.join(save_dir, TRACKER), scratch)

@@ -43,7 +43,7 @@ def _wrap_load(original: Callable) -> Callable:
         # only atomic-checkpoint-commit's saves need the claim.
         claims = writer_claims_of(checkpointing.save_checkpoint)
         if margs.save and claims is not None:
-            own(claims, margs.save, create=False)
+            own(claims, margs.save, create=False, margs=margs)
         # One read of `.metadata` per rank for this check, the #1836 guard and megatron's load.
         with checkpoint_reads.reading_once():
             if load_dir and os.path.isdir(load_dir):  # read only: it may be another job's

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,99 @@ def test_without_file_locks_the_writer_record_decides(tmp_path):
     assert writer_claim._running_here({"host": here, "pid": dead.pid}) is False
     assert writer_claim._running_here({"host": here, "pid": os.getpid(), "start": "1"}) is False  # reused
     assert writer_claim._running_here({"host": here + "-elsewhere", "pid": os.getpid()}) is None
+
+
+def test_a_writer_on_another_host_is_gone_only_when_released_or_its_heartbeat_stopped():
+    elsewhere = {"host": socket.gethostname() + "-elsewhere", "pid": 1}
+    fresh, stale = 10.0, writer_claim.STALE_S + 1
+    assert writer_claim._holder(elsewhere, "granted", fresh)[0] == "unknown"  # node-local locks?
+    assert writer_claim._holder(elsewhere, "unsupported", fresh)[0] == "unknown"
+    assert writer_claim._holder(elsewhere, "granted", stale)[0] == "gone"
+    assert writer_claim._holder(elsewhere, "held", stale)[0] == "live"  # a lock held wins
+    assert writer_claim._holder({**elsewhere, "released": True}, "unsupported", fresh)[0] == "gone"
+    here = {"host": socket.gethostname(), "pid": os.getpid(),
+            "start": writer_claim._process_start(os.getpid())}
+    assert writer_claim._holder(here, "granted", fresh)[0] == "gone"  # this host's lock says so
+    assert writer_claim._holder({}, "granted", fresh)[0] == "gone"
+
+
+def test_an_undecidable_holder_is_refused_and_keeps_its_files_until_taken_over(tmp_path,
+                                                                                monkeypatch):
+    """A record of a writer on another host, touched a moment ago, in a directory whose lock
+    this process is granted (as node-local locks grant it): refused, nothing removed; with the
+    override, or once the record is older than STALE_S, claimed and cleaned up."""
+    lock = tmp_path / writer_claim.WRITER_LOCK
+    lock.write_text(json.dumps({"host": "node-b", "pid": 4242, "job": "777", "since": "then"}))
+    fake_checkpoint(tmp_path / "_partial_iter_0000004")
+    with pytest.raises(CheckpointSaveError) as refused:
+        writer_claim.WriterClaims().claim(str(tmp_path))
+    message = str(refused.value)
+    assert "pid 4242 on node-b, job 777" in message and "heartbeat is 0 s old" in message, message
+    assert writer_claim.TAKE_OVER_ENV in message and "\n" not in message
+    assert (tmp_path / "_partial_iter_0000004").is_dir() and "node-b" in lock.read_text()
+
+    old = lock.stat().st_mtime - writer_claim.STALE_S - 1
+    os.utime(lock, (old, old))
+    claims = writer_claim.WriterClaims()
+    done = claims.claim(str(tmp_path))
+    assert any("_partial_iter_0000004" in line for line in done), done
+    assert not (tmp_path / "_partial_iter_0000004").exists()
+
+    claims.release_all()  # what atexit does: the next job needs no heartbeat's age to go on
+    assert json.loads(lock.read_text())["released"] is True
+    lock.write_text(json.dumps({"host": "node-b", "pid": 4242}))
+    fake_checkpoint(tmp_path / "_partial_iter_0000006")
+    monkeypatch.setenv(writer_claim.TAKE_OVER_ENV, "1")
+    done = writer_claim.WriterClaims().claim(str(tmp_path))
+    assert "taken over" in done[0] and not (tmp_path / "_partial_iter_0000006").exists(), done
+
+
+def test_a_requeued_job_waits_for_its_earlier_attempt_and_another_job_is_refused_at_once(
+        tmp_path, monkeypatch):
+    """Slurm job 77's first attempt holds the directory (its lock still held, as a dead node's
+    NFSv4 lease keeps it): attempt 1 of job 77 waits the requeue bound, saying so, then takes
+    over; job 78 is refused without waiting."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from moe_launcher.checkpoint_files "
+         "import writer_claim; writer_claim.claim(sys.argv[1]); print('claimed', flush=True); "
+         "time.sleep(120)", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        env={**os.environ, "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"})
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        fake_checkpoint(tmp_path / "_partial_iter_0000004")
+        monkeypatch.setenv(writer_claim.REQUEUE_WAIT_ENV, "1")
+        monkeypatch.setenv("SLURM_JOB_ID", "78")
+        start = time.monotonic()
+        with pytest.raises(CheckpointSaveError, match="another live job.*job 77"):
+            writer_claim.WriterClaims().claim(str(tmp_path))
+        assert time.monotonic() - start < 1 and (tmp_path / "_partial_iter_0000004").is_dir()
+
+        monkeypatch.setenv("SLURM_JOB_ID", "77")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        said = []
+        start = time.monotonic()
+        done = writer_claim.WriterClaims().claim(str(tmp_path), progress=said.append)
+        assert time.monotonic() - start >= 1
+        assert len(said) == 1 and "earlier attempt" in said[0] and "up to 1 s" in said[0], said
+        assert "taken over from this job's earlier attempt" in done[0], done
+        assert not (tmp_path / "_partial_iter_0000004").exists()
+        record = json.loads((tmp_path / writer_claim.WRITER_LOCK).read_text())
+        assert (record["job"], record["restart"], record["pid"]) == ("77", 1, os.getpid())
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_holder_touches_its_record_while_it_holds_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_claim, "HEARTBEAT_S", 0.05)
+    writer_claim.WriterClaims().claim(str(tmp_path))
+    lock = tmp_path / writer_claim.WRITER_LOCK
+    old = lock.stat().st_mtime - 100
+    os.utime(lock, (old, old))
+    deadline = time.monotonic() + 10
+    while lock.stat().st_mtime <= old + 50:
+        assert time.monotonic() < deadline, "no heartbeat"
+        time.sleep(0.05)
 
 
 def test_failed_save_advice_follows_the_cause():

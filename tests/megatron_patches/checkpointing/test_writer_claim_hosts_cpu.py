@@ -1,0 +1,117 @@
+"""Two jobs on two hosts and one --save, where the filesystem's locks cannot tell them apart
+(issue 33). Real 1-rank runs; the second job runs in a UTS namespace of its own (another
+hostname), and both see the filesystem's record locks through tests/native/lock_shim.c, at the
+system-call boundary: every lock call failing with ENOLCK (no lock manager), or every lock granted
+(locks each node grants on its own, as Lustre localflock or NFS local_lock=posix do).
+
+Before the heartbeat, the second job took the directory over and its recovery removed the first
+job's staged iteration (`_partial_iter_*`): the first job then died at its commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from _launch import REPO, TINY_MODEL, LiveRun
+from moe_launcher.checkpoint_files.commit_protocol import TRACKER
+from moe_launcher.checkpoint_files.file_checks import file_problems
+from moe_launcher.checkpoint_files.writer_claim import WRITER_LOCK
+
+pytestmark = pytest.mark.slow
+
+HOOKED = REPO / "tests" / "_commit_hooks_launch.py"
+ARGS = [*TINY_MODEL, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+        "--save-interval", "2"]
+OTHER_HOST = "other-node"
+TRAINED = re.compile(r"iteration\s+\d+/\s*\d+ \|")
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI") == "true":  # .ci/run installs what these tests need
+        pytest.fail(f"{what} (CI installs it)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def lock_shim(tmp_path_factory) -> Path:
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        _missing("no C compiler for tests/native/lock_shim.c")
+    library = tmp_path_factory.mktemp("shim") / "lock_shim.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(library),
+                    str(REPO / "tests" / "native" / "lock_shim.c"), "-ldl"], check=True)
+    return library
+
+
+def _on_another_host() -> None:
+    os.unshare(os.CLONE_NEWUTS)
+    socket.sethostname(OTHER_HOST)
+
+
+@pytest.fixture(scope="module")
+def other_host():
+    probe = subprocess.run(["python3", "-c", "import socket; print(socket.gethostname())"],
+                           preexec_fn=_on_another_host, capture_output=True, text=True)
+    if probe.returncode != 0 or probe.stdout.strip() != OTHER_HOST:
+        _missing("cannot start a process in a UTS namespace of its own (needs root)")
+    return _on_another_host
+
+
+@pytest.mark.parametrize("locks", ["enolck", "grant"])
+def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
+        locks, lock_shim, other_host, tmp_path):
+    save, gate = tmp_path / "ckpt", tmp_path / "gate"
+    shim = {"LD_PRELOAD": str(lock_shim), "LOCK_SHIM": locks}
+    # The first job commits iteration 2, then stops with iteration 4 staged, not yet committed:
+    # what a second job's recovery would remove.
+    # (Its own lock calls are the kernel's: what matters is what the second job's calls answer.)
+    first = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save)], nproc=1, script=HOOKED,
+                    env={"COMMIT_HOOK": f"commit:iter_0000004:wait={gate}"})
+    deadline = time.monotonic() + 300
+    while not Path(f"{gate}.reached").exists():
+        assert first.proc.poll() is None and time.monotonic() < deadline, first.log()
+        time.sleep(0.2)
+    staged = save / "_partial_iter_0000004"
+    assert staged.is_dir() and (save / "iter_0000002").is_dir()
+    staged_files = sorted(p.name for p in staged.iterdir())
+
+    second = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save), "--load", str(save)],
+                     nproc=1, env=shim, preexec=other_host)
+    second_log = second.finish(300)
+    assert second.proc.returncode != 0, second_log
+    refusals = [line for line in second_log.splitlines() if "pretrain_moe: error:" in line]
+    assert len(refusals) == 1 and "Traceback" not in second_log, second_log
+    assert (f"refusing to write {save}" in refusals[0] and socket.gethostname() in refusals[0]
+            and "heartbeat" in refusals[0] and "MEGATRON_PATCHES_SAVE_TAKE_OVER" in refusals[0]), refusals
+    assert sorted(p.name for p in staged.iterdir()) == staged_files  # nothing of it removed
+    assert not TRAINED.search(second_log)  # refused before any work
+
+    gate.touch()
+    log = first.finish(300)
+    assert first.proc.returncode == 0, log
+    assert (save / TRACKER).read_text().strip() == "6"
+    for iteration in (2, 4, 6):
+        assert file_problems(str(save / f"iter_{iteration:07d}")) == [], iteration
+    record = json.loads((save / WRITER_LOCK).read_text())
+    assert record["host"] == socket.gethostname() and record["released"] is True
+
+    if locks != "grant":
+        return  # (one resume shows the release; each takes a launch of its own)
+    # The first job ended and said so: a job on the other host takes over at once (no false
+    # refusal while the heartbeat is still fresh) and resumes where the first stopped.
+    resumed = LiveRun([*ARGS, "--train-iters", "8", "--override-opt_param-scheduler",
+                       "--save", str(save), "--load", str(save)],
+                      nproc=1, env=shim, preexec=other_host)
+    resumed_log = resumed.finish(300)
+    assert resumed.proc.returncode == 0, resumed_log[-3000:]
+    assert (save / TRACKER).read_text().strip() == "8"
+    assert json.loads((save / WRITER_LOCK).read_text())["host"] == OTHER_HOST

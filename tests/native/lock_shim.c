@@ -1,0 +1,55 @@
+/* LD_PRELOAD shim: record locks as a shared filesystem answers them, at the system-call boundary.
+ *   LOCK_SHIM=enolck  every lock call fails with ENOLCK (NFS mounted nolock, a lock manager gone)
+ *   LOCK_SHIM=grant   every lock call succeeds without locking (locks each node grants on its
+ *                     own: Lustre localflock, NFS local_lock=posix, seen from another node)
+ * Every other fcntl command goes to the C library. Built by the tests that use it. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+
+static int is_record_lock(int cmd) {
+    return cmd == F_SETLK || cmd == F_SETLKW || cmd == F_GETLK
+#ifdef F_OFD_SETLK
+        || cmd == F_OFD_SETLK || cmd == F_OFD_SETLKW || cmd == F_OFD_GETLK
+#endif
+        ;
+}
+
+static int answered(int cmd, void *arg, int *result) {
+    const char *mode = getenv("LOCK_SHIM");
+    if (!mode || !is_record_lock(cmd))
+        return 0;
+    if (strcmp(mode, "enolck") == 0) {
+        errno = ENOLCK;
+        *result = -1;
+        return 1;
+    }
+    if (strcmp(mode, "grant") == 0) {
+        if (cmd == F_GETLK)
+            ((struct flock *)arg)->l_type = F_UNLCK;
+        *result = 0;
+        return 1;
+    }
+    return 0;
+}
+
+#define PASS_THROUGH(name)                                               \
+    int name(int fd, int cmd, ...) {                                     \
+        va_list ap;                                                      \
+        va_start(ap, cmd);                                               \
+        void *arg = va_arg(ap, void *);                                  \
+        va_end(ap);                                                      \
+        int result;                                                      \
+        if (answered(cmd, arg, &result))                                 \
+            return result;                                               \
+        int (*real)(int, int, ...) = dlsym(RTLD_NEXT, #name);            \
+        return real(fd, cmd, arg);                                       \
+    }
+
+PASS_THROUGH(fcntl)
+PASS_THROUGH(fcntl64)
