@@ -76,27 +76,29 @@ def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
     # (Its own lock calls are the kernel's: what matters is what the second job's calls answer.)
     first = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save)], nproc=1, script=HOOKED,
                     env={"COMMIT_HOOK": f"commit:iter_0000004:wait={gate}"})
-    deadline = time.monotonic() + 300
-    while not Path(f"{gate}.reached").exists():
-        assert first.proc.poll() is None and time.monotonic() < deadline, first.log()
-        time.sleep(0.2)
-    staged = save / "_partial_iter_0000004"
-    assert staged.is_dir() and (save / "iter_0000002").is_dir()
-    staged_files = sorted(p.name for p in staged.iterdir())
+    try:  # the first job is let go whatever happens, or it would wait at the gate for ever
+        deadline = time.monotonic() + 300
+        while not Path(f"{gate}.reached").exists():
+            assert first.proc.poll() is None and time.monotonic() < deadline, first.log()
+            time.sleep(0.2)
+        staged = save / "_partial_iter_0000004"
+        assert staged.is_dir() and (save / "iter_0000002").is_dir()
+        staged_files = sorted(p.name for p in staged.iterdir())
 
-    second = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save), "--load", str(save)],
-                     nproc=1, env=shim, preexec=other_host)
-    second_log = second.finish(300)
-    assert second.proc.returncode != 0, second_log
-    refusals = [line for line in second_log.splitlines() if "pretrain_moe: error:" in line]
-    assert len(refusals) == 1 and "Traceback" not in second_log, second_log
-    assert (f"refusing to write {save}" in refusals[0] and socket.gethostname() in refusals[0]
-            and "heartbeat" in refusals[0] and "MEGATRON_PATCHES_SAVE_TAKE_OVER" in refusals[0]), refusals
-    assert sorted(p.name for p in staged.iterdir()) == staged_files  # nothing of it removed
-    assert not TRAINED.search(second_log)  # refused before any work
-
-    gate.touch()
-    log = first.finish(300)
+        second = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save), "--load", str(save)],
+                         nproc=1, env=shim, preexec=other_host)
+        second_log = second.finish(300)
+        assert second.proc.returncode != 0, second_log
+        refusals = [line for line in second_log.splitlines() if "pretrain_moe: error:" in line]
+        assert len(refusals) == 1 and "Traceback" not in second_log, second_log
+        refusal = refusals[0]
+        assert (f"refusing to write {save}" in refusal and socket.gethostname() in refusal
+                and "heartbeat" in refusal and "MEGATRON_PATCHES_SAVE_TAKE_OVER" in refusal), refusal
+        assert sorted(p.name for p in staged.iterdir()) == staged_files  # nothing of it removed
+        assert not TRAINED.search(second_log)  # refused before any work
+    finally:
+        gate.touch()
+        log = first.finish(300)
     assert first.proc.returncode == 0, log
     assert (save / TRACKER).read_text().strip() == "6"
     for iteration in (2, 4, 6):
