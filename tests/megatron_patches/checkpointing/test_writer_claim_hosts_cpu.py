@@ -1,8 +1,8 @@
 """Two jobs on two hosts and one --save, where the filesystem's locks cannot tell them apart
-(issue 33). Real 1-rank runs; the second job runs in a UTS namespace of its own (another
-hostname), and both see the filesystem's record locks through tests/native/lock_shim.c, at the
-system-call boundary: every lock call failing with ENOLCK (no lock manager), or every lock granted
-(locks each node grants on its own, as Lustre localflock or NFS local_lock=posix do).
+(issue 33). Real 1-rank runs; the second job sees the cluster through tests/native/
+other_node_shim.c, at the system-call boundary: another hostname, and the filesystem's record
+locks either failing with ENOLCK (no lock manager) or all granted (locks each node grants on its
+own, as Lustre localflock or NFS local_lock=posix do).
 
 Before the heartbeat, the second job took the directory over and its recovery removed the first
 job's staged iteration (`_partial_iter_*`): the first job then died at its commit.
@@ -42,35 +42,22 @@ def _missing(what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def lock_shim(tmp_path_factory) -> Path:
+def node_shim(tmp_path_factory) -> Path:
     compiler = shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        _missing("no C compiler for tests/native/lock_shim.c")
-    library = tmp_path_factory.mktemp("shim") / "lock_shim.so"
+        _missing("no C compiler for tests/native/other_node_shim.c")
+    library = tmp_path_factory.mktemp("shim") / "other_node_shim.so"
     subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(library),
-                    str(REPO / "tests" / "native" / "lock_shim.c"), "-ldl"], check=True)
+                    str(REPO / "tests" / "native" / "other_node_shim.c"), "-ldl"], check=True)
     return library
-
-
-def _on_another_host() -> None:
-    os.unshare(os.CLONE_NEWUTS)
-    socket.sethostname(OTHER_HOST)
-
-
-@pytest.fixture(scope="module")
-def other_host():
-    probe = subprocess.run(["python3", "-c", "import socket; print(socket.gethostname())"],
-                           preexec_fn=_on_another_host, capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != OTHER_HOST:
-        _missing("cannot start a process in a UTS namespace of its own (needs root)")
-    return _on_another_host
 
 
 @pytest.mark.parametrize("locks", ["enolck", "grant"])
 def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
-        locks, lock_shim, other_host, tmp_path):
+        locks, node_shim, tmp_path):
     save, gate = tmp_path / "ckpt", tmp_path / "gate"
-    shim = {"LD_PRELOAD": str(lock_shim), "LOCK_SHIM": locks}
+    elsewhere = {"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": OTHER_HOST,
+                 "LOCK_SHIM": locks}
     # The first job commits iteration 2, then stops with iteration 4 staged, not yet committed:
     # what a second job's recovery would remove.
     # (Its own lock calls are the kernel's: what matters is what the second job's calls answer.)
@@ -86,14 +73,14 @@ def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
         staged_files = sorted(p.name for p in staged.iterdir())
 
         second = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save), "--load", str(save)],
-                         nproc=1, env=shim, preexec=other_host)
+                         nproc=1, env=elsewhere)
         second_log = second.finish(300)
         assert second.proc.returncode != 0, second_log
         refusals = [line for line in second_log.splitlines() if "pretrain_moe: error:" in line]
         assert len(refusals) == 1 and "Traceback" not in second_log, second_log
         refusal = refusals[0]
-        assert (f"refusing to write {save}" in refusal and socket.gethostname() in refusal
-                and "heartbeat" in refusal and "MEGATRON_PATCHES_SAVE_TAKE_OVER" in refusal), refusal
+        assert f"refusing to write {save}" in refusal and socket.gethostname() in refusal
+        assert "heartbeat" in refusal and "MEGATRON_PATCHES_SAVE_TAKE_OVER" in refusal, refusal
         assert sorted(p.name for p in staged.iterdir()) == staged_files  # nothing of it removed
         assert not TRAINED.search(second_log)  # refused before any work
     finally:
@@ -112,7 +99,7 @@ def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
     # refusal while the heartbeat is still fresh) and resumes where the first stopped.
     resumed = LiveRun([*ARGS, "--train-iters", "8", "--override-opt_param-scheduler",
                        "--save", str(save), "--load", str(save)],
-                      nproc=1, env=shim, preexec=other_host)
+                      nproc=1, env=elsewhere)
     resumed_log = resumed.finish(300)
     assert resumed.proc.returncode == 0, resumed_log[-3000:]
     assert (save / TRACKER).read_text().strip() == "8"

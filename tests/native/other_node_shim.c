@@ -1,8 +1,11 @@
-/* LD_PRELOAD shim: record locks as a shared filesystem answers them, at the system-call boundary.
- *   LOCK_SHIM=enolck  every lock call fails with ENOLCK (NFS mounted nolock, a lock manager gone)
- *   LOCK_SHIM=grant   every lock call succeeds without locking (locks each node grants on its
- *                     own: Lustre localflock, NFS local_lock=posix, seen from another node)
- * Every other fcntl command goes to the C library. Built by the tests that use it. */
+/* LD_PRELOAD shim: a process as if on another node of a cluster sharing one filesystem, at the
+ * system-call boundary (no privileges needed).
+ *   NODE_SHIM_HOSTNAME=<name>  gethostname() answers <name>
+ *   LOCK_SHIM=enolck           every record-lock call fails with ENOLCK (NFS mounted nolock, a
+ *                              lock manager gone)
+ *   LOCK_SHIM=grant            every record-lock call succeeds without locking (locks each node
+ *                              grants on its own: Lustre localflock, NFS local_lock=posix)
+ * Everything else goes to the C library. Built by the tests that use it. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -11,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <unistd.h>
 
 static int is_record_lock(int cmd) {
     return cmd == F_SETLK || cmd == F_SETLKW || cmd == F_GETLK
@@ -53,3 +57,18 @@ static int answered(int cmd, void *arg, int *result) {
 
 PASS_THROUGH(fcntl)
 PASS_THROUGH(fcntl64)
+
+int gethostname(char *name, size_t len) {
+    const char *host = getenv("NODE_SHIM_HOSTNAME");
+    if (!host) {
+        int (*real)(char *, size_t) = dlsym(RTLD_NEXT, "gethostname");
+        return real(name, len);
+    }
+    size_t n = strlen(host);
+    if (n + 1 > len) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(name, host, n + 1);
+    return 0;
+}
