@@ -137,6 +137,7 @@ def unwrapped(function):
 PATCH_MODULES = (
     "megatron_patches.build.dataset_helpers_prebuilt",
     "megatron_patches.build.local_norm_sequence_parallel",
+    "megatron_patches.build.attention_sink_tensor_parallel",
     "megatron_patches.checkpointing.distopt_torch_adam_resume",
     "megatron_patches.checkpointing.distopt_reshardable_bucket_offsets",
     "megatron_patches.moe.router_token_counts_fp32",
