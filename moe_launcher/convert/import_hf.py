@@ -3,8 +3,9 @@ layout (`OUT_DIR/release`, the tracker naming it), plus `OUT_DIR/model_flags.txt
 Megatron-LM flags of the architecture.
 
 Everything that can be refused is refused before the output folder is created: the family,
-the config keys, every shard's header; each HF tensor is then read once, straight into the
-megatron parameter it belongs to.
+the config keys, every shard's header, and each HF tensor as it is read (once, straight into the
+megatron parameter it belongs to): its shape against the one config.json implies, its dtype, and
+NaN or Inf in it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .errors import ConvertError
 from .families import Family, family_of_architecture
 from .hf_files import HFTensors, read_config_json
 from .staging import check_target, staged_folder
-from .tensor_map import fuse, rules
+from .tensor_map import fuse, hf_shapes, rules
 
 FLAGS_FILE = "model_flags.txt"
 
@@ -31,6 +32,20 @@ def hf_config(family: Family, hf_dir: str):
     return getattr(transformers, family.config_class).from_pretrained(hf_dir)
 
 
+def _check_tensor(name: str, source: torch.Tensor, shape: tuple[int, ...],
+                  dtype: torch.dtype) -> None:
+    if tuple(source.shape) != shape:
+        raise ConvertError(f"{name} has shape {tuple(source.shape)}, but config.json implies "
+                           f"{shape}; fix: the folder's config.json and weights must belong to "
+                           "the same model")
+    # copy_ would cast silently; the checkpoint keeps the HF model's own values.
+    if source.dtype != dtype:
+        raise ConvertError(f"{name} is {source.dtype}, not the {dtype} of config.json's dtype")
+    if source.is_floating_point() and not bool(torch.isfinite(source).all()):
+        raise ConvertError(f"{name} holds NaN or Inf values (a damaged file or download?); fix: "
+                           "download the model again")
+
+
 def _fill(model, family: Family, config, tensors: HFTensors) -> None:
     params = model.state_dict()
     padded_vocab = model.embedding.word_embeddings.weight.shape[0]
@@ -39,17 +54,10 @@ def _fill(model, family: Family, config, tensors: HFTensors) -> None:
         for rule in rules(family, config):
             target = params[rule.megatron]
             sources = [tensors.get(name) for name in rule.hf]
-            for name, source in zip(rule.hf, sources):
-                # copy_ would cast silently; the checkpoint keeps the HF model's own values.
-                if source.dtype != target.dtype:
-                    raise ConvertError(f"{name} is {source.dtype}, not the {target.dtype} of "
-                                       "config.json's dtype")
-            value = fuse(rule, sources, config, padded_vocab)
-            if value.shape != target.shape:
-                raise ConvertError(f"{', '.join(rule.hf)} make a tensor of shape "
-                                   f"{tuple(value.shape)}, the config's architecture needs "
-                                   f"{tuple(target.shape)} for {rule.megatron}")
-            target.copy_(value)
+            shapes = hf_shapes(rule, tuple(target.shape), config)
+            for name, source, shape in zip(rule.hf, sources, shapes):
+                _check_tensor(name, source, shape, target.dtype)
+            target.copy_(fuse(rule, sources, config, padded_vocab))
             filled.add(rule.megatron)
     tensors.check_all_read()
     unfilled = [name for name in params if name not in filled and not name.endswith("_extra_state")]

@@ -81,6 +81,20 @@ def fuse(rule: Rule, tensors: list[torch.Tensor], config, padded_vocab: int) -> 
                       v.reshape(groups, dim, hidden)], dim=1).reshape(-1, hidden)
 
 
+def hf_shapes(rule: Rule, target: tuple[int, ...], config) -> list[tuple[int, ...]]:
+    """The shape config.json implies for each HF tensor of `rule`, whose megatron parameter has
+    shape `target`."""
+    if rule.layout == COPY:
+        return [tuple(target)]
+    if rule.layout == GATE_UP:
+        return [(target[0] // 2, *target[1:])] * 2
+    if rule.layout == VOCAB:
+        return [(config.vocab_size, *target[1:])]
+    groups, per_group, dim = _groups(config)
+    hidden = target[1]
+    return [(groups * per_group * dim, hidden), (groups * dim, hidden), (groups * dim, hidden)]
+
+
 def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
     """The HF tensors of `rule` from its megatron parameter (contiguous copies, safetensors
     writes no views)."""

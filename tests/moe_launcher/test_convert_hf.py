@@ -356,6 +356,42 @@ def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys)
     assert "truncated" in refused(capsys, tmp_path, "import-hf", truncated)
 
 
+def _with_tensor(source: Path, target: Path, name: str, change) -> Path:
+    """A copy of `source` whose tensor `name` is replaced by change(tensor), in its own shard."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    shard = target / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = change(tensors[name])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return target
+
+
+def test_import_refuses_a_tensor_the_config_contradicts_or_that_is_not_finite(qwen_dir, tmp_path,
+                                                                              capsys):
+    """Before: a q_proj a row short died in a traceback inside the QKV fusion (RuntimeError:
+    shape ... is invalid for input of size ...)."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    rows, columns = _hf_tensors(qwen_dir)[name].shape
+    short = _with_tensor(qwen_dir, tmp_path / "short", name, lambda t: t[:-1].clone())
+    line = refused(capsys, tmp_path, "import-hf", short)
+    assert (f"{name} has shape ({rows - 1}, {columns}), but config.json implies ({rows}, "
+            f"{columns})") in line, line
+    shutil.rmtree(short)
+
+    def poisoned(tensor):
+        tensor = tensor.clone()
+        tensor.view(-1)[3] = float("nan")
+        return tensor
+
+    expert = "model.layers.1.mlp.experts.2.down_proj.weight"
+    nan = _with_tensor(qwen_dir, tmp_path / "nan", expert, poisoned)
+    line = refused(capsys, tmp_path, "import-hf", nan)
+    assert f"{expert} holds NaN or Inf values" in line, line
+
+
 def test_refuses_an_output_folder_that_holds_files(qwen_dir, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("not ours")
