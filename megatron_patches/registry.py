@@ -139,6 +139,7 @@ PATCH_MODULES = (
     "megatron_patches.build.local_norm_sequence_parallel",
     "megatron_patches.build.attention_sink_tensor_parallel",
     "megatron_patches.checkpointing.distopt_torch_adam_resume",
+    "megatron_patches.checkpointing.sgd_resume_state",
     "megatron_patches.checkpointing.distopt_reshardable_bucket_offsets",
     "megatron_patches.moe.router_token_counts_fp32",
     "megatron_patches.checkpointing.scheduler_resume_weight_decay",
