@@ -1,6 +1,7 @@
 """Train/valid/test datasets for megatron's pretrain(): mock data or real indexed datasets."""
 
 import os
+import struct
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -39,10 +40,14 @@ def train_valid_test_datasets(train_valid_test_num_samples, vp_stage=None):
 train_valid_test_datasets.is_distributed = True
 
 
+def dataset_prefixes(data_path: list[str] | None) -> list[str]:
+    """The dataset prefixes of a --data-path value (blend weights skipped)."""
+    return [p for p in (data_path or []) if not _is_number(p)]
+
+
 def missing_data_paths(data_path: list[str] | None) -> list[str]:
     """The --data-path prefixes (weights skipped) whose .bin/.idx files do not exist."""
-    prefixes = [p for p in (data_path or []) if not _is_number(p)]
-    return [p for p in prefixes
+    return [p for p in dataset_prefixes(data_path)
             if not (os.path.exists(p + ".bin") and os.path.exists(p + ".idx"))]
 
 
@@ -52,3 +57,46 @@ def _is_number(text: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+# megatron's .idx: MMIDIDX header (9 bytes), version <Q, token dtype code <B, sequence count <Q,
+# document count <Q (34 bytes), then int32 sequence lengths, int64 sequence pointers (byte offsets
+# into the .bin), int64 document indices (and, for multimodal data, one mode byte per sequence).
+_IDX_HEAD = 34
+
+
+def index_problem(prefix: str) -> str | None:
+    """What makes `prefix`.idx unreadable, or inconsistent with `prefix`.bin; None when it is
+    neither. Three small reads whatever the dataset's size: the header, the length its counts
+    imply, and the last sequence's end within the .bin (a partial copy cuts the .bin's tail,
+    which megatron reads only when a sample reaches it, hours or days into a run)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx, bin_path = prefix + ".idx", prefix + ".bin"
+    idx_size, bin_size = os.path.getsize(idx), os.path.getsize(bin_path)
+    with open(idx, "rb") as f:
+        head = f.read(_IDX_HEAD)
+        if len(head) < _IDX_HEAD or head[:9] != _INDEX_HEADER:
+            return f"{idx} is not an indexed dataset's index (no MMIDIDX header)"
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
+        if version != 1:
+            return f"{idx} is index version {version}; megatron reads version 1"
+        try:
+            itemsize = DType.size(DType.dtype_from_code(code))
+        except (ValueError, KeyError):
+            return f"{idx} names token type code {code}, which megatron does not know"
+        needed = _IDX_HEAD + sequences * (4 + 8) + documents * 8
+        if idx_size < needed:
+            return (f"{idx} is {idx_size} bytes, but its counts ({sequences} sequences, "
+                    f"{documents} documents) need {needed}: it is truncated")
+        if not sequences:
+            return None
+        f.seek(_IDX_HEAD + (sequences - 1) * 4)
+        (last_length,) = struct.unpack("<i", f.read(4))
+        f.seek(_IDX_HEAD + sequences * 4 + (sequences - 1) * 8)
+        (last_pointer,) = struct.unpack("<q", f.read(8))
+    end = last_pointer + last_length * itemsize
+    if end > bin_size:
+        return (f"{bin_path} is {bin_size} bytes, but {idx} ends its last sequence at byte {end}: "
+                f"the .bin is truncated (a partial copy?)")
+    return None

@@ -361,18 +361,23 @@ def check_context_parallel_attention(args) -> None:
 def check_data_path(args) -> None:
     if getattr(args, "mock_data", False):
         return
-    from moe_launcher.data import missing_data_paths
+    from moe_launcher.data import dataset_prefixes, index_problem, missing_data_paths
 
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         missing = missing_data_paths(getattr(args, flag, None))
+        name = "--" + flag.replace("_", "-")
         if missing:
-            name = "--" + flag.replace("_", "-")
             raise PreflightError(name,
                                  f"{name} {missing[0]}: no {missing[0]}.bin/.idx"
                                  + (f" (and {len(missing) - 1} more prefixes missing)"
                                     if len(missing) > 1 else "")
                                  + "; fix: pass the prefix of an indexed dataset (the path "
                                  "without .bin/.idx) or --mock-data")
+        for prefix in dataset_prefixes(getattr(args, flag, None)):
+            if problem := index_problem(prefix):
+                raise PreflightError(name, f"{name} {prefix}: {problem}; fix: copy the dataset "
+                                           "again, or rebuild it (python -m "
+                                           "moe_launcher.prepare_data)")
 
 
 @preflight_check("tokenizer-model-folder")
