@@ -262,10 +262,32 @@ export MASTER_ADDR MASTER_PORT
 exit_if_finished
 
 SRUN=(srun --kill-on-bad-exit=1)
+# Whether PATH lies in a destination of the src:dst[:flags],... mounts in $2.
+mounted() {
+  local entry destination
+  local -a entries
+  IFS=, read -ra entries <<< "$2"
+  for entry in "${entries[@]}"; do
+    destination=${entry#*:}
+    destination=${destination%%:*}
+    [[ $1 == "$destination" || $1 == "$destination"/* ]] && return 0
+  done
+  return 1
+}
 if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
-  # The checkout is mounted at the same path, so code, runs/ and relative paths match.
+  # The checkout is mounted at the same path, so code, runs/ and relative paths match. What the
+  # job writes elsewhere (RUN_DIR, CKPT_DIR) is mounted too: written inside the container, it
+  # would be lost with it.
+  mounts="$ROOT:$ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+  for written in "$RUN_DIR" "$CKPT_DIR"; do
+    written=$(realpath -m "$written")
+    mounted "$written" "$mounts" && continue
+    mkdir -p "$written"  # the container runtime mounts only what exists
+    mounts+=",$written:$written"
+    echo "[train.sh] $written is mounted into the container: the job writes there"
+  done
   SRUN+=(--container-image="$CONTAINER_IMAGE" --container-workdir="$ROOT"
-         --container-mounts="$ROOT:$ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
+         --container-mounts="$mounts")
 fi
 # One task per rank; each sets its rank variables from Slurm's before starting Python, and one
 # OpenMP thread unless told otherwise, as torchrun does.

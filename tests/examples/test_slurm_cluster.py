@@ -344,6 +344,25 @@ def test_refusals_before_any_training(cluster):
     assert not (cluster.root / "unused").exists()
 
 
+def test_a_container_gets_the_folders_the_job_writes_outside_the_checkout(cluster):
+    """RUN_DIR and a CKPT_DIR outside both it and the checkout are mounted (made first: the
+    container runtime mounts only what exists); a folder under CONTAINER_MOUNTS is not mounted
+    twice. This cluster has no pyxis, so srun refuses the container options after train.sh has
+    shown the command it runs."""
+    run_dir, ckpt = cluster.root / "runs" / "container", cluster.root / "elsewhere" / "ckpt"
+    extra = cluster.root / "mounted"
+    job = cluster.submit("container", "--ntasks-per-node=4", wait=True, CONTAINER_IMAGE="image",
+                         CKPT_DIR=str(ckpt), RUN_DIR=str(run_dir),
+                         CONTAINER_MOUNTS=f"{extra}:{extra}",
+                         MEGATRON_ARGUMENTS_FILE=str(extra / "args.txt"))
+    command = re.search(r"^\[train\.sh\] command: (.*)$", job.log, re.M)
+    assert command, job.log[-3000:]
+    shown = command.group(1).replace("\\,", ",")  # printf %q escapes the commas
+    assert (f"--container-mounts={ROOT}:{ROOT},{extra}:{extra},{run_dir}:{run_dir},"
+            f"{ckpt}:{ckpt} ") in shown, shown
+    assert run_dir.is_dir() and ckpt.is_dir() and job.returncode != 0
+
+
 def test_dry_run_in_a_job_is_sized_from_the_job(cluster):
     job = cluster.submit("dry", "--nodes=2", "--ntasks-per-node=2", wait=True, DRY_RUN="1")
     assert job.returncode == 0, job.log
