@@ -90,3 +90,22 @@ def test_a_rollback_keeps_the_later_iteration_aside_and_resumes_from_its_step(sa
     assert files(save / "iter_0000002") == {
         name.removeprefix("iter_0000002/"): data for name, data in before.items()
         if name.startswith("iter_0000002/")}
+
+
+def test_a_resume_and_a_fine_tune_elsewhere_go_on_and_touch_none_of_the_saved_files(saved,
+                                                                                  tmp_path):
+    """No false refusal: the run that continues its --save (with retention: it drops only its
+    own iteration 6, never the saved run's 2), and a fine-tune of it into a new --save."""
+    save, before = saved
+    run = launch(2, [*ARGS, "--train-iters", "8", "--override-opt_param-scheduler",
+                     "--save-retain-interval", "4", "--save", str(save), "--load", str(save)],
+                 torchrun=True, timeout=300).check()
+    assert "at iteration 4" in run.log, run.log[-3000:]
+    saved_iterations = {name: data for name, data in before.items() if name.startswith("iter_")}
+    assert {name: files(save).get(name) for name in saved_iterations} == saved_iterations
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000008"]  # 6 was this run's, dropped at 8
+    tuned = tmp_path / "tuned"
+    launch(2, [*ARGS, "--train-iters", "2", "--finetune", "--load", str(save), "--ckpt-step",
+               "4", "--save", str(tuned)], torchrun=True, timeout=300).check()
+    assert (tuned / TRACKER).read_text() == "2" and not list(tuned.glob(SET_ASIDE_PREFIX + "*"))
