@@ -13,11 +13,10 @@ import os
 import tempfile
 
 from moe_launcher.checkpoint_files import save_continuity
+from moe_launcher.checkpoint_files.commit_protocol import TRACKER
 from moe_launcher.preflight import preflight_check
 from moe_launcher.runtime.refusals import PreflightError
 
-# What marks a folder as megatron's checkpoint: its tracker, or an iteration folder.
-_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _nearest_existing(path: str) -> str:
@@ -63,7 +62,8 @@ def check_load_exists(args) -> None:
 
 
 def _holds_checkpoint(folder: str) -> bool:
-    return any(name == _TRACKER or name.startswith("iter_") or name == "release"
+    """Whether a folder is megatron's checkpoint: its tracker, or an iteration folder."""
+    return any(name == TRACKER or name.startswith("iter_") or name == "release"
                for name in os.listdir(folder))
 
 
@@ -79,7 +79,7 @@ def check_load_is_a_checkpoint(args) -> None:
     if own_save or not os.listdir(args.load) or _holds_checkpoint(args.load):
         return
     raise PreflightError("--load", f"--load {args.load} holds files but no checkpoint (no "
-                                   f"{_TRACKER}, no iter_* folder; megatron would start from "
+                                   f"{TRACKER}, no iter_* folder; megatron would start from "
                                    "random weights); fix: pass the folder --save wrote, not its "
                                    "parent or a data folder")
 
