@@ -222,11 +222,17 @@ class Job:
         def found() -> re.Match | None:
             ended = self.ended()
             match = re.search(pattern, self.log, re.M)  # read after: the last lines count
-            assert match or not ended, (f"job {self.id} ended without {pattern!r} in its log:\n"
-                                        f"{self.log[-4000:]}")
+            assert match or not ended, (f"job {self.id} ended without {pattern!r} in its log "
+                                        f"({self.outcome()}):\n{self.log[-4000:]}")
             return match
 
         return wait_for(f"{pattern!r} in job {self.id}'s log", found, timeout)
+
+    def outcome(self) -> str:
+        """What slurmctld says of the job: its state, the reason and the exit code."""
+        state = self.state()
+        return ", ".join(f"{key}={state.get(key, '?')}"
+                         for key in ("JobState", "Reason", "ExitCode", "Restarts"))
 
     def wait_state(self, *states: str, timeout: float) -> dict[str, str]:
         return wait_for(f"job {self.id} in state {'/'.join(states)}",
@@ -238,8 +244,13 @@ class Job:
         return self.state()
 
     def release(self) -> None:
-        """A requeued job waits ~2 minutes (Reason=BeginTime); let it start now."""
+        """A requeued job waits ~2 minutes (Reason=BeginTime); 2 s on, let it start
+        (`starttime=now`, which schedules at once). Not sooner: slurmd revoked the job's credential
+        as the last attempt ended and refuses a new one made within the same second (its times
+        are whole seconds); slurmctld then ends the job unrun ("Killing non-startable batch
+        JobId=N: Job credential revoked"), which is what the 2 minutes guard against."""
         self.wait_state("PENDING", timeout=120)
+        time.sleep(2)
         done = self.cluster.run("scontrol", "update", f"jobid={self.id}", "starttime=now")
         assert done.returncode == 0, done.stderr
 
