@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
     TensorStorageMetadata,
 )
 
-from moe_launcher.checkpoint_files import file_checks  # noqa: E402
+from moe_launcher.checkpoint_files import commit_protocol, file_checks  # noqa: E402
 from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
 from megatron_patches.checkpointing import checkpoint_load_guard
 from moe_launcher.checkpoint_files import reads as checkpoint_reads
@@ -217,6 +217,51 @@ def counting_filesystem_calls(counts: dict[str, int]):
         builtins.open, os.stat = real_open, real_stat
 
 
+class _CountedListing:
+    """A directory listing as os.scandir returns it (an iterator and a context manager)."""
+
+    def __init__(self, entries: list):
+        self.entries, self._next = entries, iter(entries)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._next)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@contextlib.contextmanager
+def counting_commit_calls(counts: dict[str, int]):
+    """Counts the commit's filesystem calls inside the block (measurement only): stats (a name
+    looked up), fsyncs, and directory listings with the names they return."""
+    real = {name: getattr(os, name) for name in ("stat", "fsync", "scandir")}
+
+    def counted_scandir(*a, **k):
+        with real["scandir"](*a, **k) as entries:
+            listing = _CountedListing(list(entries))
+        counts["listings"] += 1
+        counts["names_listed"] += len(listing.entries)
+        return listing
+
+    def counter(name):
+        def counted(*a, **k):
+            counts[name] += 1
+            return real[name](*a, **k)
+        return counted
+
+    os.stat, os.fsync, os.scandir = counter("stat"), counter("fsync"), counted_scandir
+    try:
+        yield counts
+    finally:
+        os.stat, os.fsync, os.scandir = real["stat"], real["fsync"], real["scandir"]
+
+
 def write_checkpoint_dir(path: str, global_metadata, world: int) -> int:
     """A torch_dist directory as the load checks see it: a `.metadata` as torch writes it (each
     tensor's global shape and main-replica chunks; one storage entry per chunk, spread over one
@@ -280,6 +325,13 @@ def simulate(model: Model, world: int) -> dict:
                 problems += file_checks.file_problems(directory)
                 integrity = time.perf_counter() - start
         assert problems == [], problems[:3]
+        # The commit: the last rank syncs its own files (every rank alike), then rank 0 the rest.
+        own_ops, rank0_ops = ({"stat": 0, "fsync": 0, "listings": 0, "names_listed": 0}
+                              for _ in range(2))
+        with counting_commit_calls(own_ops):
+            synced = [commit_protocol.fsync_own_files(directory, world - 1)]
+        with counting_commit_calls(rank0_ops):
+            commit_protocol._fsync_unowned(directory, [1] * (world - 1) + synced)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     files = world + 2  # one .distcp per rank, .metadata, metadata.json
     guard_ops, integrity_ops = sum(guard_ops.values()), sum(integrity_ops.values())
@@ -294,7 +346,12 @@ def simulate(model: Model, world: int) -> dict:
             "load_guard_s": load_guard, "integrity_s": integrity,
             "peak_mib": peak / 2**20, "guard_ops": guard_ops, "integrity_ops": integrity_ops,
             "load_ops_total": load_ops_total, "load_ops_total_before": before_total,
-            "files": files}
+            "files": files, "commit_own_ops": own_ops, "commit_rank0_ops": rank0_ops}
+
+
+def commit_ops(ops: dict[str, int]) -> str:
+    return (f"{ops['stat']} stats + {ops['fsync']} fsyncs + {ops['listings']} listings of "
+            f"{ops['names_listed']} names")
 
 
 def main() -> None:
@@ -322,8 +379,10 @@ def main() -> None:
                   f"{r['unpickle_s']:5.2f} s, once per rank, shared with megatron's load | "
                   f"peak {r['peak_mib']:7.0f} MiB | load FS ops: rank 0 "
                   f"{r['guard_ops'] + r['integrity_ops']}, others {r['guard_ops']}, total "
-                  f"{r['load_ops_total']} (before: {r['load_ops_total_before']}); commit fsyncs: "
-                  f"1 per rank + 4 on rank 0", flush=True)
+                  f"{r['load_ops_total']} (before: {r['load_ops_total_before']}) | commit FS "
+                  f"ops: each rank {commit_ops(r['commit_own_ops'])}, rank 0 adds "
+                  f"{commit_ops(r['commit_rank0_ops'])} (before: every rank listed "
+                  f"{r['files']} names)", flush=True)
             if world == 1024 and name == "deepseek-v3":
                 ratio = ours / r["megatron_s"]
     dist.destroy_process_group()

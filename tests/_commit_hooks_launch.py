@@ -35,11 +35,11 @@ from moe_launcher.checkpoint_files import commit_protocol, retention
 
 # Which iteration directory each hooked call is about.
 _SUBJECT = {
-    "commit": lambda save_dir, dirname, tracker_value: dirname,
+    "commit": lambda save_dir, dirname, *_: dirname,
     "write_tracker": lambda save_dir, value: (
         value if value == "release" else commit_protocol.iteration_dirname(int(value))),
-    "remove_retired": lambda path: os.path.basename(path).removeprefix(
-        commit_protocol.RETIRED_PREFIX),
+    "remove_retired": lambda path: commit_protocol.public_name(
+        os.path.basename(path), commit_protocol.RETIRED_PREFIX),
 }
 
 

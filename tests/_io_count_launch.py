@@ -3,6 +3,7 @@ do (by hooking the module attributes they call). Run under torchrun like pretrai
 each rank writes $IO_COUNT_DIR/rank<R>.json:
 
   fsynced        basenames of the files the commit protocol fsynced
+  staging_lists  listings (os.listdir/os.scandir, os.walk's too) of a staging directory
   file_checks    calls of file_checks.file_problems (the load-integrity file check)
   metadata_reads .metadata files read from disk in this process (the checks' and megatron's)
   gathers        all-rank metadata gathers the save guard ran itself
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint import filesystem  # noqa: E402
 from moe_launcher.checkpoint_files import commit_protocol, file_checks  # noqa: E402
 from megatron_patches.checkpointing import checkpoint_completeness_guard as checkpoint_guard
 
-COUNTS = {"fsynced": [], "file_checks": 0, "metadata_reads": 0, "gathers": 0,
+COUNTS = {"fsynced": [], "staging_lists": 0, "file_checks": 0, "metadata_reads": 0, "gathers": 0,
           "tiling_checks": 0, "model_checks": 0}
 
 
@@ -60,6 +61,13 @@ def _write_counts():
 if __name__ == "__main__":
     _counting(commit_protocol, "_fsync_file",
               lambda path: COUNTS["fsynced"].append(os.path.basename(path)))
+    def _listed(path="."):  # a path, or a directory's fd (not a staging one's here)
+        if isinstance(path, (str, os.PathLike)) and os.path.basename(
+                os.fspath(path)).startswith(commit_protocol.STAGING_PREFIX):
+            COUNTS["staging_lists"] += 1
+
+    _counting(os, "listdir", _listed)
+    _counting(os, "scandir", _listed)
     _counting(file_checks, "file_problems", _bump("file_checks"))
     _counting(checkpoint_guard, "determine_global_metadata", _bump("gathers"))
     _counting(checkpoint_guard, "refuse_wrong_model_shapes", _bump("model_checks"))

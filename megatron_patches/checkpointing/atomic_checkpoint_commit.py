@@ -42,6 +42,7 @@ from moe_launcher.checkpoint_files.commit_protocol import (
     STAGING_PREFIX,
     TRACKER,
     iteration_dirname,
+    private_name,
     read_tracker,
 )
 from moe_launcher.checkpoint_files.retention import DeferredRetention
@@ -54,11 +55,13 @@ COMMIT_MARK = "_megatron_patches_checkpoint_commit"
 SAVE_FAILURES = "_save_failures"
 
 
-def own(claims: WriterClaims, save_dir: str, create: bool, margs) -> None:
+def own(claims: WriterClaims, save_dir: str, create: bool, margs) -> str:
     """On every rank: rank 0 claims `save_dir` (`claims.claim`; only when it exists unless `create`),
     at its first claim moves aside what this run would write over (save_continuity.set_aside) and
-    reports what it did; a refusal is raised on every rank alike."""
+    reports what it did; a refusal is raised on every rank alike. Returns, on every rank, the id
+    this job's staged names carry (the claim's; a new one where rank 0 could not claim)."""
     outcome: tuple[str, list[str]] = ("claimed", [])
+    claim_id = None
     if collectives.rank() == 0 and (create or os.path.isdir(save_dir)):
         first = os.path.realpath(save_dir) not in claims.held
         try:
@@ -72,22 +75,23 @@ def own(claims: WriterClaims, save_dir: str, create: bool, margs) -> None:
         except OSError as exc:  # e.g. not writable: megatron's own save reports that
             outcome = ("claimed", [f"could not claim it for this job ({exc}); nothing there "
                                    f"is cleaned up"])
-    kind, lines = collectives.gather_objects(outcome)[0]
+        claim_id = claims.claim_id(save_dir) or commit_protocol.new_claim_id()
+    (kind, lines), claim_id = collectives.gather_objects((outcome, claim_id))[0]
     if kind == "refused":
         raise CheckpointSaveError(lines[0])
     if collectives.rank() == 0:
         for line in lines:
             print(f"[megatron_patches] atomic-checkpoint-commit: {save_dir}: {line}", flush=True)
+    return claim_id
 
 
 @contextlib.contextmanager
-def _redirected(checkpointing, save_dir: str, dirname: str, scratch_tracker: str,
+def _redirected(checkpointing, save_dir: str, dirname: str, staging: str, scratch_tracker: str,
                 retention: DeferredRetention):
-    """During megatron's save, files of `dirname` go to the staging directory, the tracker to a
-    scratch file (carrying the current value, which megatron reads for retention) and retention
-    deletions to `retention`. Yields the list of calls to run once the checkpoint is committed."""
+    """During megatron's save, files of `dirname` go to `staging`, the tracker to a scratch file
+    (carrying the current value, which megatron reads for retention) and retention deletions to
+    `retention`. Yields the list of calls to run once the checkpoint is committed."""
     final = os.path.join(save_dir, dirname)
-    staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
     get_name = checkpointing.get_checkpoint_name
     get_tracker = checkpointing.get_checkpoint_tracker_filename
 
@@ -282,17 +286,18 @@ def _say_if_retention_not_deferred(checkpointing, margs, said: set[str]) -> None
               "their deletion is not deferred past the commit", flush=True)
 
 
-def _fsync_own_files_everywhere(staging: str) -> None:
-    """Every rank syncs its own files; a rank that cannot makes every rank raise, instead of
-    leaving the others in the commit barrier."""
+def _fsync_own_files_everywhere(staging: str) -> list[int]:
+    """Every rank syncs its own files; returns how many each did. A rank that cannot makes every
+    rank raise, instead of leaving the others in the commit barrier."""
     try:
-        failure = None
-        commit_protocol.fsync_own_files(staging, collectives.rank())
+        outcome = commit_protocol.fsync_own_files(staging, collectives.rank())
     except OSError as exc:
-        failure = f"rank {collectives.rank()} could not fsync its files: {exc}"
-    failures = [f for f in collectives.gather_objects(failure) if f]
+        outcome = f"rank {collectives.rank()} could not fsync its files: {exc}"
+    outcomes = collectives.gather_objects(outcome)
+    failures = [f for f in outcomes if isinstance(f, str)]
     if failures:
         raise OSError(errno.EIO, "; ".join(failures))
+    return outcomes
 
 
 def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
@@ -313,20 +318,23 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
         release = bool(call.arguments.get("release"))
         iteration = call.arguments["iteration"]
         dirname = iteration_dirname(iteration, release)
-        scratch = os.path.join(save_dir, STAGING_PREFIX + TRACKER)
         rank0 = collectives.rank() == 0
-        own(claims, save_dir, create=True, margs=margs)
+        claim_id = own(claims, save_dir, create=True, margs=margs)
         _say_if_retention_not_deferred(checkpointing, margs, said)
+        scratch = os.path.join(save_dir, private_name(STAGING_PREFIX, claim_id, TRACKER))
         if rank0 and os.path.isfile(os.path.join(save_dir, TRACKER)):
             shutil.copyfile(os.path.join(save_dir, TRACKER), scratch)
-        staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
-        retention = DeferredRetention()
+        staged = private_name(STAGING_PREFIX, claim_id, dirname)
+        staging = os.path.join(save_dir, staged)
+        retention = DeferredRetention(claim_id)
         try:
-            with _redirected(checkpointing, save_dir, dirname, scratch, retention) as after_commit:
+            with _redirected(checkpointing, save_dir, dirname, staging, scratch,
+                             retention) as after_commit:
                 result = original(*args, **kwargs)
-            _fsync_own_files_everywhere(staging)
+            synced = _fsync_own_files_everywhere(staging)
             if rank0:
-                commit_protocol.commit(save_dir, dirname, "release" if release else str(iteration))
+                commit_protocol.commit(save_dir, dirname, "release" if release else str(iteration),
+                                       claim_id, synced)
                 if os.path.exists(scratch):
                     os.unlink(scratch)
                 retention.committed()
@@ -351,7 +359,7 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
             state = (f"{dirname} was committed before the failure ({TRACKER} names it)"
                      if kept == dirname else
                      f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
-                     f"which is unchanged; the partial {STAGING_PREFIX + dirname} was removed")
+                     f"which is unchanged; the partial {staged} was removed")
             if _is_deliberate_refusal(exc):  # e.g. a checkpoint guard: its message has the fix
                 fix = (f"; {state}. Fix: as the refusal says; the run can resume with --load "
                        f"{save_dir}")
@@ -400,7 +408,7 @@ register(Patch(
     upstream="Megatron-LM save_checkpoint TODO 'Handle non-empty directories (e.g., after a "
              "crash during saving)'; in-place tracker write",
     versions=">=0.15,<0.20",
-    summary="megatron.training.checkpointing.save_checkpoint writes to _partial_iter_*, rank 0 "
+    summary="megatron.training.checkpointing.save_checkpoint writes to _partial_<claim>_iter_*, rank 0 "
             "renames it into place, then replaces the tracker (temp + fsync + os.replace); one "
             "locked writer per --save cleans up; --save-retain-interval deletes after the commit",
     not_needed_because=_commit_not_needed,

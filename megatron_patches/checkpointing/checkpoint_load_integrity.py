@@ -3,7 +3,7 @@ started just after its tracker write), that is before this patch's commit; a cra
 tracker naming a deleted directory. During a wrapped save megatron's deletion
 (`checkpointing._async_delete_checkpoint_impl`, which its retention code starts) only records the
 request; once the tracker names the new iteration the older directory is renamed to
-`_retired_iter_*` (atomic) and removed in the background. A crash at any step leaves the tracker
+`_retired_<claim>_iter_*` (atomic) and removed in the background. A crash at any step leaves the tracker
 naming a complete directory; a crash between the tracker write and the rename keeps the older
 iteration (complete, untracked) instead of deleting it.
 """

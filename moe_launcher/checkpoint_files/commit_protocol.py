@@ -1,7 +1,11 @@
-"""The commit protocol of a checkpoint directory: files staged under `_partial_<iteration>`,
+"""The commit protocol of a checkpoint directory: files staged under `_partial_<claim>_<iteration>`,
 synced by the ranks that wrote them, renamed into place, then the tracker replaced atomically
 (write-temp + fsync + os.replace + fsync of the directory). `recover` undoes what a crash at any
 step leaves; only the directory's one writer (writer_claim) may run it.
+
+Every name a writer stages, replaces or retires under carries its claim id (`private_name`), and
+the tracker's temporary file is made with O_EXCL: were two jobs ever to write one directory, no
+save, commit or failure of one renames or removes a file of the other's by name.
 
 Plain file operations, no megatron: the atomic-checkpoint-commit patch drives them around
 megatron's save_checkpoint, the load-integrity patch reads the tracker with them.
@@ -12,9 +16,10 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import secrets
 import shutil
+import tempfile
 
-from moe_launcher.runtime import collectives
 from moe_launcher.runtime.durable_files import fsync_path
 from moe_launcher.runtime.refusals import CheckpointLoadError
 
@@ -22,6 +27,24 @@ TRACKER = "latest_checkpointed_iteration.txt"
 STAGING_PREFIX = "_partial_"
 REPLACED_PREFIX = "_replaced_"
 RETIRED_PREFIX = "_retired_"
+# A writer's claim id: 8 hex digits; older versions of this project named leftovers without one.
+_CLAIM_ID = re.compile(r"[0-9a-f]{8}_")
+
+
+def new_claim_id() -> str:
+    return secrets.token_hex(4)
+
+
+def private_name(prefix: str, claim_id: str, name: str) -> str:
+    """What writer `claim_id` calls `name` (an iteration directory, the tracker) while it stages,
+    replaces or retires it."""
+    return f"{prefix}{claim_id}_{name}"
+
+
+def public_name(leftover: str, prefix: str) -> str:
+    """The name a `private_name` (or an older, id-less leftover) stands for."""
+    rest = leftover[len(prefix):]
+    return rest[_CLAIM_ID.match(rest).end():] if _CLAIM_ID.match(rest) else rest
 
 
 def _fsync_file(path: str) -> None:
@@ -30,33 +53,40 @@ def _fsync_file(path: str) -> None:
     fsync_path(path)
 
 
-# torch_dist and fsdp_dtensor name each rank's files `[<group>]__<rank>_<n>.distcp`.
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+# torch_dist and fsdp_dtensor name each rank's files `__<rank>_<n>.distcp`, n counting from 0
+# (megatron's FileSystemWriterAsync and torch's FileSystemWriter alike).
+_RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 
 
-def _writer_rank(name: str) -> int | None:
-    match = _RANK_FILE.search(name)
-    return int(match.group(1)) if match else None
+def _own_files(staging: str, rank: int):
+    """The files rank `rank` wrote into `staging`, found by name (`__<rank>_0.distcp`, `_1`, ...
+    until one is missing): no listing of a directory that holds every rank's files."""
+    n = 0
+    while os.path.exists(path := os.path.join(staging, f"__{rank}_{n}.distcp")):
+        yield path
+        n += 1
 
 
 def fsync_own_files(staging: str, rank: int) -> int:
     """Fsyncs the files rank `rank` wrote into `staging` (on NFS/Lustre only the writing client
     can flush its data), several at a time; returns how many. Every rank runs it at once, so a
-    commit costs one rank's files, not the whole job's one after another on rank 0."""
-    own = [os.path.join(staging, name) for name in os.listdir(staging)
-           if _writer_rank(name) == rank]
+    commit costs one rank's files, not the whole job's one after another on rank 0, and no rank
+    lists the directory (at 8,192 ranks, 8,192 listings of 8,192 names)."""
+    own = list(_own_files(staging, rank))
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(own) or 1)) as pool:
         list(pool.map(_fsync_file, own))
     return len(own)
 
 
-def _fsync_unowned(staging: str, world_size: int) -> None:
-    """Fsyncs what no rank of `world_size` claims by name (.metadata, common state, files of
-    other naming schemes), and every directory (rank 0, after all ranks synced their own)."""
+def _fsync_unowned(staging: str, synced: list[int]) -> None:
+    """Fsyncs what no rank synced as its own (`synced[r]`: how many `fsync_own_files` found for
+    rank r) -- .metadata, common state, names of other shapes -- and every directory (rank 0,
+    after all ranks synced their own)."""
     for root, _, files in os.walk(staging):
         for name in files:
-            writer = _writer_rank(name) if root == staging else None
-            if writer is None or not 0 <= writer < world_size:
+            own = _RANK_FILE.fullmatch(name) if root == staging else None
+            if not own or not (int(own.group(1)) < len(synced)
+                               and int(own.group(2)) < synced[int(own.group(1))]):
                 _fsync_file(os.path.join(root, name))
         fsync_path(root)
 
@@ -65,8 +95,8 @@ def write_tracker(save_dir: str, value: str) -> None:
     """Replaces the tracker atomically: a reader sees the old or the new value, never a
     partial one, also after a crash or power loss."""
     tracker = os.path.join(save_dir, TRACKER)
-    temporary = f"{tracker}.tmp.{os.getpid()}"
-    with open(temporary, "w") as f:
+    descriptor, temporary = tempfile.mkstemp(prefix=TRACKER + ".tmp.", dir=save_dir)
+    with os.fdopen(descriptor, "w") as f:
         f.write(value)
         f.flush()
         os.fsync(f.fileno())
@@ -110,7 +140,7 @@ def recover(save_dir: str) -> list[str]:
     for name in sorted(os.listdir(save_dir)):
         path = os.path.join(save_dir, name)
         if name.startswith(REPLACED_PREFIX):
-            original = name[len(REPLACED_PREFIX):]
+            original = public_name(name, REPLACED_PREFIX)
             if original == target and not os.path.exists(os.path.join(save_dir, original)):
                 os.rename(path, os.path.join(save_dir, original))
                 done.append(f"restored {original} (a commit was interrupted)")
@@ -131,13 +161,14 @@ def recover(save_dir: str) -> list[str]:
     return done
 
 
-def commit(save_dir: str, dirname: str, tracker_value: str) -> None:
-    """Publishes the staged iteration directory, then the tracker (rank 0), once every rank has
-    synced its own files (`fsync_own_files`)."""
-    staging = os.path.join(save_dir, STAGING_PREFIX + dirname)
+def commit(save_dir: str, dirname: str, tracker_value: str, claim_id: str,
+           synced: list[int]) -> None:
+    """Publishes writer `claim_id`'s staged iteration directory, then the tracker (rank 0), once
+    every rank r has synced its own `synced[r]` files (`fsync_own_files`)."""
+    staging = os.path.join(save_dir, private_name(STAGING_PREFIX, claim_id, dirname))
     final = os.path.join(save_dir, dirname)
-    replaced = os.path.join(save_dir, REPLACED_PREFIX + dirname)
-    _fsync_unowned(staging, collectives.world_size())
+    replaced = os.path.join(save_dir, private_name(REPLACED_PREFIX, claim_id, dirname))
+    _fsync_unowned(staging, synced)
     if os.path.lexists(final):
         os.rename(final, replaced)
     os.rename(staging, final)

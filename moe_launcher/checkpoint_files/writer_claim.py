@@ -1,12 +1,13 @@
 """One writer per --save directory, for the life of the process (rank 0).
 
-* every rank writes into a staging directory `<save>/_partial_iter_XXXXXXX` (megatron's
-  `get_checkpoint_name` is redirected for that one iteration during the call);
+* every rank writes into a staging directory `<save>/_partial_<claim>_iter_XXXXXXX`, named
+  with the writer's claim id (megatron's `get_checkpoint_name` is redirected for that one
+  iteration during the call);
 * megatron's own tracker write goes to a scratch file; after megatron's final barrier every rank
   fsyncs the files it wrote (in parallel: a commit costs one rank's files), then rank 0 fsyncs
   the rest (.metadata, common state, directories), renames the staging directory to
-  `iter_XXXXXXX` (an existing one is first renamed to `_replaced_iter_XXXXXXX`) and then writes
-  the tracker last, as write-temp + fsync + `os.replace` + fsync of the directory;
+  `iter_XXXXXXX` (an existing one is first renamed to `_replaced_<claim>_iter_XXXXXXX`) and then
+  writes the tracker last, as write-temp + fsync + `os.replace` + fsync of the directory;
 * a failing save (disk full, a dead rank) raises `CheckpointSaveError` naming the directory;
   the previous checkpoint and the tracker are untouched and the staging directory is removed.
 """
@@ -23,7 +24,7 @@ import threading
 import time
 from typing import Callable
 
-from moe_launcher.checkpoint_files.commit_protocol import recover
+from moe_launcher.checkpoint_files.commit_protocol import new_claim_id, recover
 from moe_launcher.runtime.refusals import CheckpointSaveError
 
 WRITER_LOCK = "_checkpoint_writer.lock"
@@ -56,8 +57,9 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
-def _this_writer() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+def _this_writer(claim_id: str) -> dict:
+    return {"claim": claim_id, "host": socket.gethostname(), "pid": os.getpid(),
+            "start": _process_start(os.getpid()),
             "job": os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID"),
             "restart": _restart_count(os.environ.get("SLURM_RESTART_COUNT")),
             "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -128,7 +130,7 @@ class WriterClaims:
     marked released, so that a job on another host may take the directory over at once."""
 
     def __init__(self):
-        self.held: dict[str, int] = {}
+        self.held: dict[str, tuple[int, str]] = {}  # realpath -> (locked file, claim id)
 
     def claim(self, save_dir: str, progress: Callable[[str], None] = lambda line: None
               ) -> list[str]:
@@ -136,18 +138,24 @@ class WriterClaims:
         key = os.path.realpath(save_dir)
         if key in self.held:
             return []
-        fd, done = claim(save_dir, progress)
+        claim_id = new_claim_id()
+        fd, done = claim(save_dir, progress, claim_id)
         if not self.held:
             atexit.register(self.release_all)
-        self.held[key] = fd
+        self.held[key] = fd, claim_id
         return done
 
+    def claim_id(self, save_dir: str) -> str | None:
+        """The id this process's claim of `save_dir` names its staged files with; None unclaimed."""
+        held = self.held.get(os.path.realpath(save_dir))
+        return held[1] if held else None
+
     def release_all(self) -> None:
-        for fd in self.held.values():
+        for fd, claim_id in self.held.values():
             try:
                 record = json.loads(os.pread(fd, 4096, 0) or b"{}")
             except ValueError:
-                record = _this_writer()
+                record = _this_writer(claim_id)
             _write_record(fd, {**record, "released": True})
         self.held.clear()
 
@@ -201,9 +209,10 @@ def _await_earlier_attempt(fd: int, why: str, previous: dict,
     return "expired", why
 
 
-def claim(save_dir: str, progress: Callable[[str], None] = lambda line: None
-          ) -> tuple[int, list[str]]:
-    """Makes this process the one writer of `save_dir` for its lifetime (rank 0), then cleans up
+def claim(save_dir: str, progress: Callable[[str], None] = lambda line: None,
+          claim_id: str | None = None) -> tuple[int, list[str]]:
+    """Makes this process the one writer of `save_dir` for its lifetime (rank 0), recorded with
+    `claim_id` (its staged files' names carry it; a new one by default), then cleans up
     what earlier writers, proven gone by then, left there. Returns the locked file (keep it open:
     the lock lives as long as it) and what was cleaned up. Raises CheckpointSaveError while
     another job may still write there: never removes files in doubt. A requeued job waits for
@@ -235,7 +244,7 @@ def claim(save_dir: str, progress: Callable[[str], None] = lambda line: None
             f"write there: {why}. Fix: give this job its own --save (it may still --load "
             f"{save_dir}); or, once that job has ended, wait until its heartbeat is {STALE_S:.0f} "
             f"s old or set {TAKE_OVER_ENV}=1")
-    _write_record(fd, _this_writer())
+    _write_record(fd, _this_writer(claim_id or new_claim_id()))
     # Only a job that cannot trust the lock reads the record to judge this one alive; the fsync
     # that puts it on a shared filesystem's server for that job runs beside the load (up to tens
     # of ms on a busy server, while every rank waits for rank 0).

@@ -17,5 +17,7 @@ def test_scale_sim_runs_for_two_small_sizes():
     assert len(lines) == 2
     for line in lines:
         for part in ("megatron check", "save guard", "load guard", "integrity", "peak",
-                     "load FS ops", "commit fsyncs"):
+                     "load FS ops", "commit FS ops"):
             assert part in line, line
+        # At commit a rank finds its own file by name (one stat, one fsync), lists nothing.
+        assert "each rank 2 stats + 1 fsyncs + 0 listings of 0 names" in line, line

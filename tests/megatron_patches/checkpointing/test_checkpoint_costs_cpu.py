@@ -2,7 +2,8 @@
 a real 2-rank save and load (tests/_io_count_launch.py hooks the module attributes the patches
 call):
 
-* the commit: each rank fsyncs only the files it wrote; rank 0 adds only the unowned ones;
+* the commit: each rank fsyncs only the files it wrote, found by name; rank 0 adds only the
+  unowned ones, and only rank 0 lists the staging directory;
 * the save guard checks a structure once: a second save of the same structure runs no model
   check and no tiling check, with or without --ckpt-assume-constant-structure (and with it no
   second all-rank metadata gather);
@@ -39,6 +40,8 @@ def test_checkpoint_io_per_rank_in_a_real_save_and_load(tmp_path):
         assert rank_files and all(f"__{rank}_" in n for n in rank_files), counts["fsynced"]
         # megatron checked the first save; the second reuses the guard's verdict.
         assert counts["gathers"] == 0 and counts["model_checks"] == 1, counts
+    # Only rank 0 lists the staging directory (its walk for the unowned files, and megatron's)
+    assert saving[1]["staging_lists"] == 0 < saving[0]["staging_lists"], saving
     unowned = [n for n in saving[0]["fsynced"] if not n.endswith(".distcp")]
     assert ".metadata" in unowned and not [n for n in saving[1]["fsynced"]
                                            if not n.endswith(".distcp")]

@@ -5,7 +5,7 @@ locks either failing with ENOLCK (no lock manager) or all granted (locks each no
 own, as Lustre localflock or NFS local_lock=posix do).
 
 Before the heartbeat, the second job took the directory over and its recovery removed the first
-job's staged iteration (`_partial_iter_*`): the first job then died at its commit.
+job's staged iteration (`_partial_<claim>_iter_*`): the first job then died at its commit.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
         while not Path(f"{gate}.reached").exists():
             assert first.proc.poll() is None and time.monotonic() < deadline, first.log()
             time.sleep(0.2)
-        staged = save / "_partial_iter_0000004"
+        claim_id = json.loads((save / WRITER_LOCK).read_text())["claim"]
+        staged = save / f"_partial_{claim_id}_iter_0000004"  # named with the first job's claim
         assert staged.is_dir() and (save / "iter_0000002").is_dir()
         staged_files = sorted(p.name for p in staged.iterdir())
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_patches.checkpointing import atomic_checkpoint_commit
-from moe_launcher.checkpoint_files import commit_protocol, file_checks, writer_claim
+from moe_launcher.checkpoint_files import commit_protocol, file_checks, retention, writer_claim
 from moe_launcher.runtime.refusals import CheckpointSaveError
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -29,14 +29,49 @@ def fake_checkpoint(directory, files=("__0_0.distcp",)):
         (directory / name).write_bytes(b"x" * 10)
 
 
+def private(claim_id: str, prefix: str, name: str) -> str:
+    return commit_protocol.private_name(prefix, claim_id, name)
+
+
 def test_commit_publishes_directory_then_tracker(tmp_path):
     fake_checkpoint(tmp_path / "iter_0000001")
     commit_protocol.write_tracker(str(tmp_path), "1")
-    fake_checkpoint(tmp_path / "_partial_iter_0000002")
-    commit_protocol.commit(str(tmp_path), "iter_0000002", "2")
+    claim_id = commit_protocol.new_claim_id()
+    fake_checkpoint(tmp_path / private(claim_id, "_partial_", "iter_0000002"))
+    commit_protocol.commit(str(tmp_path), "iter_0000002", "2", claim_id, [1])
     assert (tmp_path / commit_protocol.TRACKER).read_text() == "2"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000001", "iter_0000002", commit_protocol.TRACKER]
+
+
+def test_two_writers_of_one_directory_never_touch_each_others_files(tmp_path):
+    """Were two jobs ever to write one --save (a take-over of a job that still ran), each stages,
+    replaces and retires under names of its own: one's commit of iteration 2 and its retention
+    leave the other's staged iteration 2 and its scratch tracker as they were, and the tracker's
+    temporary file is a new one (before: one `_partial_iter_0000002` for both, one scratch
+    tracker, and `<tracker>.tmp.<pid>`, which a process of the same pid on another host shares)."""
+    save = str(tmp_path)
+    fake_checkpoint(tmp_path / "iter_0000001")
+    commit_protocol.write_tracker(save, "1")
+    mine, theirs = commit_protocol.new_claim_id(), commit_protocol.new_claim_id()
+    assert mine != theirs
+    fake_checkpoint(tmp_path / private(theirs, "_partial_", "iter_0000002"),
+                    files=("__0_0.distcp", "__1_0.distcp"))
+    (tmp_path / private(theirs, "_partial_", commit_protocol.TRACKER)).write_text("1")
+    (tmp_path / f"{commit_protocol.TRACKER}.tmp.{os.getpid()}").write_text("7")
+    theirs_before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
+                     if p.is_file() and "iter_0000001" not in p.parts
+                     and p.name != commit_protocol.TRACKER}
+
+    fake_checkpoint(tmp_path / private(mine, "_partial_", "iter_0000002"))
+    commit_protocol.commit(save, "iter_0000002", "2", mine, [1])
+    retention.drop_iteration(save, 1, mine)
+
+    assert commit_protocol.read_tracker(save) == "iter_0000002"
+    assert sorted(p.name for p in (tmp_path / "iter_0000002").iterdir()) == ["__0_0.distcp"]
+    assert not (tmp_path / "iter_0000001").exists()
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*")
+            if p.relative_to(tmp_path) in theirs_before} == theirs_before
 
 
 def test_crash_before_rename_leaves_tracker_on_previous_and_is_cleaned(tmp_path):
@@ -50,10 +85,33 @@ def test_crash_before_rename_leaves_tracker_on_previous_and_is_cleaned(tmp_path)
     assert commit_protocol.read_tracker(str(tmp_path)) == "iter_0000001"
 
 
-def test_crash_between_the_two_renames_of_a_resave_is_undone(tmp_path):
+def test_each_rank_syncs_its_own_files_by_name_and_rank_0_every_other_once(tmp_path,
+                                                                          monkeypatch):
+    """No rank lists the staging directory to find its files (at 8,192 ranks, 8,192 listings of
+    8,192 names); rank 0's one walk syncs every file no rank synced as its own, each file once."""
+    staging = tmp_path / "_partial_0a1b2c3d_iter_0000002"
+    names = ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_2.distcp",  # __1_1 missing
+             "group__1_0.distcp", "__7_0.distcp", ".metadata", "common.pt"]
+    fake_checkpoint(staging, files=names)
+    synced, listed = [], []
+    monkeypatch.setattr(commit_protocol, "_fsync_file",
+                        lambda path: synced.append(os.path.basename(path)))
+    for name in ("listdir", "scandir"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda path=".", real=real: listed.append(path) or real(path))
+    counts = [commit_protocol.fsync_own_files(str(staging), rank) for rank in (0, 1)]
+    assert counts == [2, 1] and synced == ["__0_0.distcp", "__0_1.distcp", "__1_0.distcp"]
+    assert listed == []
+    commit_protocol._fsync_unowned(str(staging), counts)
+    assert sorted(synced) == sorted(names) and len(listed) == 1
+
+
+@pytest.mark.parametrize("claim", ["3f00a1b2_", ""], ids=["named", "older-unnamed"])
+def test_crash_between_the_two_renames_of_a_resave_is_undone(tmp_path, claim):
     # Re-saving the tracked iteration: the old directory was moved aside, then the kill came.
-    fake_checkpoint(tmp_path / "_replaced_iter_0000002")
-    fake_checkpoint(tmp_path / "_partial_iter_0000002")
+    # (Leftovers of this project's older versions carry no claim id.)
+    fake_checkpoint(tmp_path / f"_replaced_{claim}iter_0000002")
+    fake_checkpoint(tmp_path / f"_partial_{claim}iter_0000002")
     commit_protocol.write_tracker(str(tmp_path), "2")
     commit_protocol.recover(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", commit_protocol.TRACKER]
@@ -114,7 +172,8 @@ def test_a_live_writer_keeps_its_directory_and_a_dead_ones_leftovers_are_cleaned
         holder.wait()
     assert any("_partial_iter_0000002" in line for line in writer_claim.WriterClaims().claim(str(tmp_path)))
     assert not (tmp_path / "_partial_iter_0000002").exists()
-    assert json.loads((tmp_path / writer_claim.WRITER_LOCK).read_text())["pid"] == os.getpid()
+    record = json.loads((tmp_path / writer_claim.WRITER_LOCK).read_text())
+    assert record["pid"] == os.getpid() and len(record["claim"]) == 8
 
 
 def test_without_file_locks_the_writer_record_decides(tmp_path):
