@@ -116,6 +116,7 @@ check_tokenizer_model() {
     die "TOKENIZER_MODEL=$TOKENIZER_MODEL has neither tokenizer.json nor tokenizer_config.json; fix: $fix"
 }
 
+data_path=()
 if [[ -n "${DATA_PATH:-}" ]]; then
   check_tokenizer_model
   read -ra data_path <<< "$DATA_PATH"
@@ -285,6 +286,25 @@ if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
     mkdir -p "$written"  # the container runtime mounts only what exists
     mounts+=",$written:$written"
     echo "[train.sh] $written is mounted into the container: the job writes there"
+  done
+  # What it reads from this node's filesystems (DATA_PATH's folders, TOKENIZER_MODEL) is mounted
+  # read-only the same way. A path that is not here is left to the image or CONTAINER_MOUNTS
+  # (pretrain_moe.py's preflight checks it inside the container, on every rank, before work).
+  read_folders=()
+  for entry in "${data_path[@]}"; do
+    [[ $entry =~ ^[0-9.eE+-]+$ ]] || read_folders+=("$(dirname "$entry")")  # not a blend weight
+  done
+  [[ -z ${DATA_PATH:-} ]] || read_folders+=("$TOKENIZER_MODEL")
+  for read_folder in "${read_folders[@]}"; do
+    read_folder=$(realpath -m "$read_folder")
+    mounted "$read_folder" "$mounts" && continue
+    if [[ -d $read_folder ]]; then
+      mounts+=",$read_folder:$read_folder:ro"
+      echo "[train.sh] $read_folder is mounted into the container read-only: the job reads there"
+    else
+      echo "[train.sh] $read_folder is not on this node nor under CONTAINER_MOUNTS: it must be" \
+           "in the image (pretrain_moe.py checks it there before work)"
+    fi
   done
   SRUN+=(--container-image="$CONTAINER_IMAGE" --container-workdir="$ROOT"
          --container-mounts="$mounts")

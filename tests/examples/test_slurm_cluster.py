@@ -355,22 +355,30 @@ def test_refusals_before_any_training(cluster):
     assert not (cluster.root / "unused").exists()
 
 
-def test_a_container_gets_the_folders_the_job_writes_outside_the_checkout(cluster):
+def test_a_container_gets_the_folders_the_job_writes_and_reads_outside_the_checkout(cluster):
     """RUN_DIR and a CKPT_DIR outside both it and the checkout are mounted (made first: the
-    container runtime mounts only what exists); a folder under CONTAINER_MOUNTS is not mounted
-    twice. This cluster has no pyxis, so srun refuses the container options after train.sh has
-    shown the command it runs."""
+    container runtime mounts only what exists); the folders of DATA_PATH's blend and
+    TOKENIZER_MODEL that this node has are mounted read-only, one that it lacks is left to the
+    image (said, not refused); a folder under CONTAINER_MOUNTS is not mounted twice. This cluster
+    has no pyxis, so srun refuses the container options after train.sh has shown the command."""
     run_dir, ckpt = cluster.root / "runs" / "container", cluster.root / "elsewhere" / "ckpt"
-    extra = cluster.root / "mounted"
+    extra, data, tokenizer = (cluster.root / name for name in ("mounted", "data", "tokenizer"))
+    data.mkdir(exist_ok=True)
+    tokenizer.mkdir(exist_ok=True)
+    in_image = "/opt/image-data/web_text_document"
     job = cluster.submit("container", "--ntasks-per-node=4", wait=True, CONTAINER_IMAGE="image",
                          CKPT_DIR=str(ckpt), RUN_DIR=str(run_dir),
                          CONTAINER_MOUNTS=f"{extra}:{extra}",
+                         DATA_PATH=f"0.5 {data}/a_text_document 0.3 {extra}/b_text_document "
+                                   f"0.2 {data}/c_text_document 1e-1 {in_image}",
+                         TOKENIZER_MODEL=str(tokenizer),
                          MEGATRON_ARGUMENTS_FILE=str(extra / "args.txt"))
     command = re.search(r"^\[train\.sh\] command: (.*)$", job.log, re.M)
     assert command, job.log[-3000:]
     shown = command.group(1).replace("\\,", ",")  # printf %q escapes the commas
     assert (f"--container-mounts={ROOT}:{ROOT},{extra}:{extra},{run_dir}:{run_dir},"
-            f"{ckpt}:{ckpt} ") in shown, shown
+            f"{ckpt}:{ckpt},{data}:{data}:ro,{tokenizer}:{tokenizer}:ro ") in shown, shown
+    assert f"{os.path.dirname(in_image)} is not on this node" in job.log
     assert run_dir.is_dir() and ckpt.is_dir() and job.returncode != 0
 
 
