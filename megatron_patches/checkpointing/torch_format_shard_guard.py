@@ -16,6 +16,11 @@ rank 0 naming the file, the ranks and the fix (`--ckpt-format torch_dist`, which
 piece). Layouts whose file-sharing ranks hold the same pieces (TP1 x EP2, TP2 x ETP1 x EP2,
 ETP = TP) run as before; so does every other format.
 
+At the same point it judges the checkpoint --load would read, when that is in the torch format
+(megatron reads it whatever --ckpt-format says): a save at the layout its arguments record that
+lost expert pieces (plain megatron's, or this launcher's before the guard) is refused
+(moe_launcher/checkpoint_files/torch_format.py, rank 0 reading one file's arguments).
+
 Targets megatron-core 0.15.x - 0.19.x; needed while get_checkpoint_name has no parameter for
 the expert tensor-parallel rank.
 """
@@ -28,12 +33,13 @@ import inspect
 import os
 
 from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
+from moe_launcher.checkpoint_files import torch_format
+from moe_launcher.checkpoint_files.commit_protocol import iteration_dirname, read_tracker
+from moe_launcher.checkpoint_files.torch_format import UPSTREAM
 from moe_launcher.model import layer_layout
 from moe_launcher.model.param_shapes import ModelParams
 from moe_launcher.runtime import collectives
-from moe_launcher.runtime.refusals import PreflightError
-
-UPSTREAM = "NVIDIA/Megatron-LM#1719"
+from moe_launcher.runtime.refusals import CheckpointLoadError, PreflightError
 
 
 def held_pieces(model_chunks) -> tuple:
@@ -60,6 +66,37 @@ def _shared_files(files_and_pieces: list[tuple[str, tuple]]) -> list[tuple[str, 
 
 def _torch_format(args) -> bool:
     return "torch" in (args.ckpt_format, getattr(args, "ckpt_convert_format", None))
+
+
+def _checkpoint_to_load(args) -> str | None:
+    """The iteration directory a load of --load would read (--ckpt-step or the tracker)."""
+    if not args.load or not os.path.isdir(args.load):
+        return None
+    step = getattr(args, "ckpt_step", None)
+    try:
+        dirname = iteration_dirname(step) if step else read_tracker(args.load)
+    except CheckpointLoadError:
+        return None  # checkpoint-load-integrity refuses it
+    directory = os.path.join(args.load, dirname) if dirname else None
+    return directory if directory and os.path.isdir(directory) else None
+
+
+def check_saved(args) -> None:
+    """Refuses (PreflightError, on every rank) a --load of a torch-format checkpoint that a save
+    at its layout left without pieces of every expert, judged by rank 0 from the arguments saved
+    in it; megatron would read it whatever --ckpt-format says. A collective."""
+    why = None
+    if collectives.rank() == 0 and (directory := _checkpoint_to_load(args)) is not None:
+        if torch_format.is_torch_format(directory):
+            why = torch_format.lost_pieces(directory)
+            why = why and f"--load {directory}: {why}"
+    why = collectives.gather_objects(why)[0]
+    if why:
+        raise PreflightError(
+            "--load", f"refusing {why}; fix: resume from a checkpoint saved in --ckpt-format "
+                      f"torch_dist (or from an iteration saved at a layout whose expert TP "
+                      f"divides its TP, with --ckpt-step), or start over with --ckpt-format "
+                      f"torch_dist")
 
 
 def check_model(model_chunks, args) -> None:
@@ -96,6 +133,7 @@ def _wrap_optimizer_builder(get_megatron_optimizer):
         # config container builder's), before the optimizer, the load and any save.
         from megatron.training import get_args
 
+        check_saved(get_args())
         check_model(signature.bind(*args, **kwargs).arguments["model_chunks"], get_args())
         return get_megatron_optimizer(*args, **kwargs)
 
@@ -128,7 +166,7 @@ PATCH = register(Patch(
     versions=">=0.15,<0.20",
     summary="refuses --ckpt-format torch where ranks holding different pieces would share a "
             "file, judged on the model built (megatron.training.training."
-            "get_megatron_optimizer)",
+            "get_megatron_optimizer), and a --load of a torch-format checkpoint saved so",
     not_needed_because=_not_needed_because,
     apply=_apply,
 ))

@@ -10,6 +10,7 @@ import os
 import sys
 
 from moe_launcher.checkpoint_files import reads as checkpoint_reads
+from moe_launcher.checkpoint_files import torch_format
 from moe_launcher.checkpoint_files.commit_protocol import TRACKER, iteration_dirname, read_tracker
 from moe_launcher.runtime.refusals import CheckpointLoadError
 
@@ -66,7 +67,10 @@ def load_problems(load_dir: str, ckpt_step: int | None, ckpt_format: str | None)
     if not os.path.isdir(iteration_dir):
         return [f"refusing to load {iteration_dir}: the directory does not exist "
                 f"({'--ckpt-step' if ckpt_step else TRACKER} names it)"]
-    if not _is_dist_checkpoint(iteration_dir, ckpt_format):
+    # megatron reads a torch-format checkpoint whatever --ckpt-format says: no .metadata to
+    # judge it by (torch-format-shard-guard judges the layout it was saved at).
+    if torch_format.is_torch_format(iteration_dir) or not _is_dist_checkpoint(
+            iteration_dir, ckpt_format):
         return []
     problems = file_problems(iteration_dir)
     if not problems:

@@ -6,7 +6,8 @@ holding different halves of every expert write one file.
   behaviour: ETP 2 on 2 ranks saves one model file, and the run resumed from it trains other
   losses than the uninterrupted run.
 * With it: that run, and EP2 x ETP2 on 4 ranks, are refused on every rank before anything is
-  written, rank 0 saying why in one line. The torch-format layouts it must not refuse resume
+  written, rank 0 saying why in one line; the damaged checkpoint the unpatched run saved is
+  refused at --load, judged from the layout saved in it. The torch-format layouts it must not refuse resume
   bit-exactly in tests/test_train_resume_cpu.py (torch-tp2-etp1-ep2, torch-ep2).
 """
 
@@ -29,12 +30,25 @@ def test_unpatched_etp2_torch_checkpoint_loses_half_of_every_expert(tmp_path):
     files = sorted(p.relative_to(save).as_posix() for p in (save / "iter_0000002").rglob("*.pt"))
     assert [f for f in files if f.endswith("model_optim_rng.pt")] == [
         "iter_0000002/mp_rank_00/model_optim_rng.pt"], files
-    launch(2, [*args, "--load", str(save), "--ckpt-step", "2", "--tensorboard-dir",
-               str(resumed_tb)], env=UNPATCHED).check()
+    # The resume at megatron's default --ckpt-format (torch_dist): megatron reads the torch-format
+    # file all the same, without a word.
+    launch(2, [*TINY_MODEL, *ETP2, "--train-iters", "4", "--load", str(save), "--ckpt-step", "2",
+               "--tensorboard-dir", str(resumed_tb)], env=UNPATCHED).check()
     uninterrupted = tensorboard_scalars(full_tb, "lm loss")
     resumed = tensorboard_scalars(resumed_tb, "lm loss")
     assert sorted(resumed) == [3, 4]
     assert all(resumed[i] != uninterrupted[i] for i in (3, 4)), (resumed, uninterrupted)
+
+    # The same load with the patch: refused from the layout saved in the checkpoint, on every
+    # rank, before any iteration.
+    loaded = launch(2, [*TINY_MODEL, *ETP2, "--train-iters", "4", "--load", str(save),
+                        "--ckpt-step", "2"])
+    errors = [line for line in loaded.log.splitlines() if line.startswith("pretrain_moe: error:")]
+    assert loaded.exit_codes == [2, 2] and len(errors) == 1, loaded.log[-3000:]
+    assert f"--load {save}/iter_0000002: it was saved in --ckpt-format torch at TP 1, expert TP " \
+           "2 on 2 ranks: ranks [0, 1] held different pieces" in errors[0], errors
+    assert "NVIDIA/Megatron-LM#1719" in errors[0] and "fix: resume from" in errors[0]
+    assert "iteration        3/" not in loaded.log and "Traceback" not in loaded.log
 
 
 def assert_refused(run, world: int, save) -> None:

@@ -1,0 +1,85 @@
+"""Legacy `--ckpt-format torch` checkpoints (`iter_N/mp_rank_*/model_optim_rng.pt`): the layout
+saved in them, and the expert pieces a save at that layout lost (NVIDIA/Megatron-LM#1719).
+
+megatron-core names a torch-format file by the tensor, pipeline and expert-parallel ranks only.
+Where expert tensor parallelism is not a divisor of tensor parallelism, ranks holding different
+expert tensor-parallel pieces wrote one file: one piece survives, the others are gone, and a
+resume (megatron reads the format whatever --ckpt-format says) trains on a wrong model without a
+word. The save-time guard (torch-format-shard-guard) stops such saves from this launcher; this
+module judges a checkpoint saved before it, or by plain megatron, from the arguments saved in it,
+with the rank layout megatron's own RankGenerator builds from them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+UPSTREAM = "NVIDIA/Megatron-LM#1719"
+MODEL_FILE = "model_optim_rng.pt"
+
+
+def is_torch_format(iteration_dir: str) -> bool:
+    """megatron's own test (`_get_checkpoint_format`): an `mp_rank_0*` entry."""
+    return any(name.startswith("mp_rank_0") for name in os.listdir(iteration_dir))
+
+
+def model_files(iteration_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(iteration_dir, "mp_rank_*", MODEL_FILE)))
+
+
+def saved_args(path: str):
+    """The megatron arguments a torch-format file was saved with (None where it has none). The
+    tensors are mapped, not read."""
+    import torch
+
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("args")
+
+
+def _positions(generator, token: str) -> dict[int, int]:
+    return {rank: place for group in generator.get_ranks(token)
+            for place, rank in enumerate(group)}
+
+
+def shared_files(args) -> list[tuple[str, list[int]]]:
+    """(file, ranks) for every torch-format file that ranks holding different expert pieces
+    wrote, at the layout `args` describes (megatron's saved arguments)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    if not getattr(args, "num_experts", None):
+        return []
+    world = args.world_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    order = "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    tp_of, pp_of = _positions(dense, "tp"), _positions(dense, "pp")
+    etp_of, ep_of = _positions(expert, "tp"), _positions(expert, "ep")
+    by_file: dict[str, dict[int, list[int]]] = {}
+    for rank in range(world):
+        name = (f"mp_rank_{tp_of[rank]:02d}" + (f"_{pp_of[rank]:03d}" if pp > 1 else "")
+                + (f"_{ep_of[rank]:03d}" if ep > 1 else ""))
+        by_file.setdefault(name, {}).setdefault(etp_of[rank], []).append(rank)
+    return [(name, sorted(r for ranks in pieces.values() for r in ranks))
+            for name, pieces in by_file.items() if len(pieces) > 1]
+
+
+def lost_pieces(iteration_dir: str) -> str | None:
+    """Why a torch-format checkpoint lacks expert pieces, judged from its saved arguments; None
+    when its layout kept every piece, or when it saved no arguments (nothing to judge by)."""
+    files = model_files(iteration_dir)
+    args = saved_args(files[0]) if files else None
+    if args is None:
+        return None
+    shared = shared_files(args)
+    if not shared:
+        return None
+    name, ranks = shared[0]
+    tp = args.tensor_model_parallel_size
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    return (f"it was saved in --ckpt-format torch at TP {tp}, expert TP {etp} on "
+            f"{args.world_size} ranks: ranks {ranks} held different pieces of every expert but "
+            f"wrote one file, {name}/{MODEL_FILE}, so all but one piece were lost ({UPSTREAM})")
