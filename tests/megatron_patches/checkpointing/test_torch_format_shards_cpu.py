@@ -49,6 +49,15 @@ def test_unpatched_etp2_torch_checkpoint_loses_half_of_every_expert(tmp_path):
            "2 on 2 ranks: ranks [0, 1] held different pieces" in errors[0], errors
     assert "NVIDIA/Megatron-LM#1719" in errors[0] and "fix: resume from" in errors[0]
     assert "iteration        3/" not in loaded.log and "Traceback" not in loaded.log
+    # So is megatron's conversion of it to torch_dist, before it writes anything.
+    converted = tmp_path / "converted"
+    conversion = launch(2, [*args, "--load", str(save), "--ckpt-step", "2",
+                            "--ckpt-convert-format", "torch_dist",
+                            "--ckpt-convert-save", str(converted)])
+    errors = [line for line in conversion.log.splitlines()
+              if line.startswith("pretrain_moe: error:")]
+    assert conversion.exit_codes == [2, 2] and len(errors) == 1, conversion.log[-3000:]
+    assert "held different pieces" in errors[0] and not converted.exists(), errors
 
 
 def assert_refused(run, world: int, save) -> None:
