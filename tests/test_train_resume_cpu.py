@@ -10,6 +10,8 @@ saved.
 
 import pytest
 
+from moe_launcher.checkpoint_files import audit as checkpoint_audit
+
 from _launch import TINY_MODEL, launch, printed_losses, tensorboard_scalars
 
 K = 3  # iterations before the checkpoint; the runs go to 2K
@@ -79,3 +81,11 @@ def test_resume_matches_uninterrupted_run(layout, tmp_path):
     # line of each process too (first-log-interval-reset): what users compare runs by.
     for run, written in ((full, uninterrupted), (resumed, after_resume)):
         assert printed_losses(run.log) == {i: f"{loss:.6E}" for i, loss in written.items()}
+    if "torch" in layout_args:
+        # The audit's reading of a torch-format save: every file the saved layout implies (by
+        # megatron's RankGenerator) is the one megatron wrote, each from one piece.
+        report = checkpoint_audit.audit_torch_format(str(tmp_path / "full" / f"iter_{K:07d}"))
+        assert report.exit_status == checkpoint_audit.EXIT_COMPLETE, report
+        assert report.layout.world == nproc and all(f["bytes"] for f in report.files), report
+        written = {p.parent.name for p in (tmp_path / "full" / f"iter_{K:07d}").glob("*/*.pt")}
+        assert written == {f["file"].split("/")[0] for f in report.files}, (written, report)

@@ -8,7 +8,10 @@ the global shapes against the shapes the saved model config implies, which is wh
     python -m megatron_patches.checkpoint_audit CKPT_DIR [--json]
 
 CKPT_DIR is a save root (with latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory,
-in `torch_dist` or `fsdp_dtensor` format. Only the `.metadata` file is parsed, plus the small
+in `torch_dist` or `fsdp_dtensor` format, or the legacy `torch` format: for that one the audit
+shows the layout its saved arguments record, every file that layout writes with the ranks that
+write it and the file's size, and names the expert pieces such a save lost (Megatron-LM #1719:
+ranks holding different expert tensor-parallel pieces wrote one file). Only the `.metadata` file is parsed, plus the small
 pickled model args (common.pt, or the one `common_state`/`args` object inside the checkpoint);
 tensor payloads are never read, .distcp files are only stat()ed. Without a model the shapes come
 from rules on the saved args (shape_rules.py): a tensor no rule covers, or one a flag the
@@ -22,11 +25,17 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 from typing import Iterable, Sequence
 
+from moe_launcher.checkpoint_files import torch_format
 from moe_launcher.checkpoint_files.geometry import Box, Coverage, coverage, describe_chunks
-from moe_launcher.checkpoint_files.metadata import UnreadableCheckpoint, read_checkpoint_metadata
+from moe_launcher.checkpoint_files.metadata import (
+    UnreadableCheckpoint,
+    read_checkpoint_metadata,
+    resolve_iteration_dir,
+)
 from moe_launcher.checkpoint_files.shape_rules import (
     ModelDims,
     expected_numel,
@@ -155,6 +164,69 @@ def audit(path: str) -> AuditReport:
                        verdict_for(findings, dims))
 
 
+@dataclasses.dataclass(frozen=True)
+class TorchFormatReport:
+    """A legacy torch-format checkpoint: the layout saved in it and the files it implies."""
+    path: str
+    layout: torch_format.SavedLayout | None  # None: no arguments saved
+    files: list[dict]  # file, ranks writing it, bytes on disk (None: missing)
+    problems: list[str]
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_DAMAGED if self.problems else EXIT_COMPLETE
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return (f"DAMAGED: {'; '.join(self.problems)}. Do not resume from this checkpoint.")
+        if self.layout is None:
+            return "no saved arguments: the layout and its files are not checked"
+        return "complete: every file the saved layout writes is here, each from one piece"
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "format": "torch", "verdict": self.verdict,
+                "exit_status": self.exit_status,
+                "layout": dataclasses.asdict(self.layout) if self.layout else None,
+                "files": self.files, "problems": self.problems}
+
+
+def audit_torch_format(iteration_dir: str) -> TorchFormatReport:
+    """Reads one file's saved arguments (tensors mapped, not read) and stats the others."""
+    found = torch_format.model_files(iteration_dir)
+    try:
+        args = torch_format.saved_args(found[0]) if found else None
+    except Exception as e:  # a truncated or garbled pickle raises anything
+        raise UnreadableCheckpoint(f"{found[0]} is unreadable: {type(e).__name__}: {e}") from e
+    if args is None:
+        files = [{"file": os.path.relpath(f, iteration_dir), "ranks": None,
+                  "bytes": os.path.getsize(f)} for f in found]
+        return TorchFormatReport(iteration_dir, None, files, [])
+    layout = torch_format.SavedLayout.from_args(args)
+    files, problems = [], []
+    for name, pieces in sorted(torch_format.writers(layout).items()):
+        path = os.path.join(iteration_dir, name, torch_format.MODEL_FILE)
+        ranks = sorted(r for held in pieces.values() for r in held)
+        files.append({"file": os.path.relpath(path, iteration_dir), "ranks": ranks,
+                      "bytes": os.path.getsize(path) if os.path.isfile(path) else None})
+        if len(pieces) > 1:
+            problems.append(torch_format.damage(layout, name, ranks))
+        if not os.path.isfile(path):
+            problems.append(f"{files[-1]['file']} (ranks {ranks}) is missing")
+    return TorchFormatReport(iteration_dir, layout, files, problems)
+
+
+def _print_torch_format(report: TorchFormatReport) -> None:
+    print(f"checkpoint: {report.path} (torch)")
+    if report.layout is not None:
+        print(f"layout saved: {report.layout.describe()}")
+    for f in report.files:
+        size = "MISSING" if f["bytes"] is None else f"{f['bytes']} bytes"
+        writers = "" if f["ranks"] is None else f", written by ranks {f['ranks']}"
+        print(f"  {f['file']}: {size}{writers}")
+    print(report.verdict)
+
+
 def _print_text(report: AuditReport) -> None:
     data = report.to_json()
     print(f"checkpoint: {report.path} ({report.format})")
@@ -179,8 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     options = parser.parse_args(argv)
     try:
+        iteration_dir = resolve_iteration_dir(options.ckpt_dir)
+        if os.path.isdir(iteration_dir) and torch_format.is_torch_format(iteration_dir):
+            torch_report = audit_torch_format(iteration_dir)
+            if options.json:
+                print(json.dumps(torch_report.to_json(), indent=1))
+            else:
+                _print_torch_format(torch_report)
+            return torch_report.exit_status
         report = audit(options.ckpt_dir)
-    except UnreadableCheckpoint as e:
+    except (UnreadableCheckpoint, OSError, ValueError) as e:
         if options.json:
             print(json.dumps({"path": options.ckpt_dir, "verdict": f"UNREADABLE: {e}",
                               "exit_status": EXIT_UNREADABLE}))

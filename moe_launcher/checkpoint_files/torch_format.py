@@ -12,6 +12,7 @@ with the rank layout megatron's own RankGenerator builds from them.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -41,19 +42,43 @@ def _positions(generator, token: str) -> dict[int, int]:
             for place, rank in enumerate(group)}
 
 
-def shared_files(args) -> list[tuple[str, list[int]]]:
-    """(file, ranks) for every torch-format file that ranks holding different expert pieces
-    wrote, at the layout `args` describes (megatron's saved arguments)."""
+@dataclasses.dataclass(frozen=True)
+class SavedLayout:
+    """The parallel layout megatron's saved arguments record."""
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    experts: int | None
+    tp_pp_dp_mapping: bool
+
+    @classmethod
+    def from_args(cls, args) -> "SavedLayout":
+        tp = args.tensor_model_parallel_size
+        return cls(world=args.world_size, tp=tp, pp=args.pipeline_model_parallel_size,
+                   cp=getattr(args, "context_parallel_size", 1) or 1,
+                   ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                   etp=getattr(args, "expert_tensor_parallel_size", None) or tp,
+                   experts=getattr(args, "num_experts", None),
+                   tp_pp_dp_mapping=bool(getattr(args, "use_tp_pp_dp_mapping", False)))
+
+    def describe(self) -> str:
+        return (f"{self.world} ranks, TP {self.tp}, PP {self.pp}, CP {self.cp}, EP {self.ep}, "
+                f"expert TP {self.etp}, " + (f"{self.experts} experts" if self.experts
+                                             else "no experts"))
+
+
+def writers(layout: SavedLayout) -> dict[str, dict[int, list[int]]]:
+    """Every file a torch-format save at `layout` writes (megatron's get_checkpoint_name: TP, PP
+    and EP ranks), and the ranks writing it by the expert TP piece they hold, with the rank
+    layout megatron's own RankGenerator builds."""
     from megatron.core.parallel_state import RankGenerator
 
-    if not getattr(args, "num_experts", None):
-        return []
-    world = args.world_size
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    ep = getattr(args, "expert_model_parallel_size", 1) or 1
-    order = "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+    world, tp, pp, cp, ep = layout.world, layout.tp, layout.pp, layout.cp, layout.ep
+    etp = layout.etp if layout.experts else tp
+    order = "tp-cp-ep-pp-dp" if layout.tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order=order)
     expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
     tp_of, pp_of = _positions(dense, "tp"), _positions(dense, "pp")
@@ -62,9 +87,22 @@ def shared_files(args) -> list[tuple[str, list[int]]]:
     for rank in range(world):
         name = (f"mp_rank_{tp_of[rank]:02d}" + (f"_{pp_of[rank]:03d}" if pp > 1 else "")
                 + (f"_{ep_of[rank]:03d}" if ep > 1 else ""))
-        by_file.setdefault(name, {}).setdefault(etp_of[rank], []).append(rank)
+        by_file.setdefault(name, {}).setdefault(etp_of[rank] if layout.experts else 0,
+                                                []).append(rank)
+    return by_file
+
+
+def shared_files(args) -> list[tuple[str, list[int]]]:
+    """(file, ranks) for every torch-format file that ranks holding different expert pieces
+    wrote, at the layout `args` describes (megatron's saved arguments)."""
     return [(name, sorted(r for ranks in pieces.values() for r in ranks))
-            for name, pieces in by_file.items() if len(pieces) > 1]
+            for name, pieces in writers(SavedLayout.from_args(args)).items() if len(pieces) > 1]
+
+
+def damage(layout: SavedLayout, name: str, ranks: list[int]) -> str:
+    return (f"it was saved in --ckpt-format torch at TP {layout.tp}, expert TP {layout.etp} on "
+            f"{layout.world} ranks: ranks {ranks} held different pieces of every expert but "
+            f"wrote one file, {name}/{MODEL_FILE}, so all but one piece were lost ({UPSTREAM})")
 
 
 def lost_pieces(iteration_dir: str) -> str | None:
@@ -75,11 +113,4 @@ def lost_pieces(iteration_dir: str) -> str | None:
     if args is None:
         return None
     shared = shared_files(args)
-    if not shared:
-        return None
-    name, ranks = shared[0]
-    tp = args.tensor_model_parallel_size
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    return (f"it was saved in --ckpt-format torch at TP {tp}, expert TP {etp} on "
-            f"{args.world_size} ranks: ranks {ranks} held different pieces of every expert but "
-            f"wrote one file, {name}/{MODEL_FILE}, so all but one piece were lost ({UPSTREAM})")
+    return damage(SavedLayout.from_args(args), *shared[0]) if shared else None

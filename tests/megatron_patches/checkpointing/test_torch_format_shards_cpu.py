@@ -13,7 +13,10 @@ holding different halves of every expert write one file.
 
 from __future__ import annotations
 
-from _launch import TINY_MODEL, launch, tensorboard_scalars
+import subprocess
+import sys
+
+from _launch import REPO, TINY_MODEL, launch, tensorboard_scalars
 
 TORCH_FORMAT = [*TINY_MODEL, "--ckpt-format", "torch"]
 ETP2 = ["--expert-tensor-parallel-size", "2"]
@@ -30,6 +33,14 @@ def test_unpatched_etp2_torch_checkpoint_loses_half_of_every_expert(tmp_path):
     files = sorted(p.relative_to(save).as_posix() for p in (save / "iter_0000002").rglob("*.pt"))
     assert [f for f in files if f.endswith("model_optim_rng.pt")] == [
         "iter_0000002/mp_rank_00/model_optim_rng.pt"], files
+    # The audit CLI reads the format: the layout saved, the file both ranks wrote, the loss.
+    audited = subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
+                              str(save)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert audited.returncode == 1, audited.stdout + audited.stderr
+    assert "layout saved: 2 ranks, TP 1, PP 1, CP 1, EP 1, expert TP 2" in audited.stdout
+    assert "mp_rank_00/model_optim_rng.pt: " in audited.stdout
+    assert "written by ranks [0, 1]" in audited.stdout and "DAMAGED" in audited.stdout
+    assert "NVIDIA/Megatron-LM#1719" in audited.stdout, audited.stdout
     # The resume at megatron's default --ckpt-format (torch_dist): megatron reads the torch-format
     # file all the same, without a word.
     launch(2, [*TINY_MODEL, *ETP2, "--train-iters", "4", "--load", str(save), "--ckpt-step", "2",
