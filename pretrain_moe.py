@@ -14,7 +14,7 @@ import torch
 
 from moe_launcher.preflight import check_environment, check_gpu_request
 from moe_launcher.runtime.refusals import (
-    EXIT_STATUS as PREFLIGHT_EXIT, PreflightError, refusal_line, refusal_types)
+    EXIT_STATUS as PREFLIGHT_EXIT, PreflightError, find_refusal, refusal_line)
 
 
 def log0(line: str) -> None:
@@ -84,15 +84,22 @@ def run(argv: list[str]) -> None:
             import time
             time.sleep(5)
         sys.exit(PREFLIGHT_EXIT)
-    except Exception as error:
-        # A checkpoint save or load refused on purpose: one line per rank, no traceback. Rank 0
-        # lingers a moment so torchrun does not stop the other ranks before they have printed.
-        if not isinstance(error, refusal_types()):
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        # A checkpoint save or load refused on purpose (also from inside torch's checkpoint
+        # report): one line, no traceback; rank 0's alone where every rank refused alike. The
+        # rank that prints exits at once, the others linger a moment, so that torchrun, which
+        # stops the job at the first exit, does not stop the printer first.
+        refusal = find_refusal(error)
+        if refusal is None:
             raise
-        print(refusal_line(error), file=sys.stderr, flush=True)
-        if int(os.environ.get("RANK", "0")) == 0:
+        line = refusal_line(refusal)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        if line is None or int(os.environ.get("RANK", "0")) == 0:
             import time
-            time.sleep(2)
+            time.sleep(2 if line is None else 0)
         sys.exit(1)
 
 

@@ -48,7 +48,12 @@ from moe_launcher.checkpoint_files.commit_protocol import (
 from moe_launcher.checkpoint_files.retention import DeferredRetention
 from moe_launcher.checkpoint_files.writer_claim import WriterClaims
 from moe_launcher.runtime import collectives
-from moe_launcher.runtime.refusals import CheckpointLoadError, CheckpointSaveError
+from moe_launcher.runtime.refusals import (
+    CheckpointLoadError,
+    CheckpointSaveError,
+    exceptions_in,
+    find_refusal,
+)
 
 COMMIT_MARK = "_megatron_patches_checkpoint_commit"
 # Where a save that fails for a reason other than room leaves its traceback, one file per rank.
@@ -78,7 +83,7 @@ def own(claims: WriterClaims, save_dir: str, create: bool, margs) -> str:
         claim_id = claims.claim_id(save_dir) or commit_protocol.new_claim_id()
     (kind, lines), claim_id = collectives.gather_objects((outcome, claim_id))[0]
     if kind == "refused":
-        raise CheckpointSaveError(lines[0])
+        raise CheckpointSaveError(lines[0], every_rank=True)
     if collectives.rank() == 0:
         for line in lines:
             print(f"[megatron_patches] atomic-checkpoint-commit: {save_dir}: {line}", flush=True)
@@ -142,18 +147,6 @@ def _first_line(exc: BaseException) -> str:
         f" / {causes[-1]}" if causes else "")
 
 
-def _is_deliberate_refusal(exc: BaseException) -> bool:
-    """Whether a patch refused the save on purpose (its message names what is wrong and the
-    fix), anywhere in the exception chain. Such errors set `refusal_names_its_fix = True`."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if getattr(exc, "refusal_names_its_fix", False):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _room(save_dir: str) -> str:
     """Free space and the file-size limit where the save failed (what 'disk full' looks like)."""
     import resource
@@ -180,23 +173,6 @@ _OUT_OF_ROOM = {
 _FULL_WITHOUT_MEASURE = 64 * 2**20
 
 
-def _exceptions_in(exc: BaseException):
-    """`exc`, its causes and contexts, and the per-rank exceptions torch's CheckpointException
-    carries in `failures` ({rank: (exception, traceback summary)})."""
-    seen, todo = set(), [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        todo += [current.__cause__, current.__context__]
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()
-                     if isinstance(f, (tuple, BaseException))]
-
-
 def _file_sizes(directory: str) -> list[int]:
     sizes = []
     for root, _, names in os.walk(directory):
@@ -216,7 +192,7 @@ def _short_of_room(exc: BaseException, save_dir: str, kept: str | None,
     replaces a worker's error by the name of its type. So the room is also measured, against
     what the save needs: the checkpoint the tracker names (same model, same layout). Called
     before the partial directory is removed (its files show a file-size limit reached)."""
-    for current in _exceptions_in(exc):
+    for current in exceptions_in(exc):
         if isinstance(current, OSError) and current.errno in _OUT_OF_ROOM:
             return _OUT_OF_ROOM[current.errno]
     text = str(exc)
@@ -350,8 +326,8 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
                 kept = read_tracker(save_dir)
             except CheckpointLoadError:
                 kept = None
-            room = None if _is_deliberate_refusal(exc) else _short_of_room(
-                exc, save_dir, kept, staging)
+            refusal = find_refusal(exc)
+            room = None if refusal is not None else _short_of_room(exc, save_dir, kept, staging)
             if rank0:
                 shutil.rmtree(staging, ignore_errors=True)
                 with contextlib.suppress(OSError):
@@ -360,7 +336,7 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
                      if kept == dirname else
                      f"nothing was committed: {TRACKER} still names {kept or 'no checkpoint'}, "
                      f"which is unchanged; the partial {staged} was removed")
-            if _is_deliberate_refusal(exc):  # e.g. a checkpoint guard: its message has the fix
+            if refusal is not None:  # e.g. a checkpoint guard: its message has the fix
                 fix = (f"; {state}. Fix: as the refusal says; the run can resume with --load "
                        f"{save_dir}")
             elif room is not None:
@@ -373,9 +349,11 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
                          "full traceback above: no file could be written for it")
                 fix = (f"({where}); {state}. Fix: what the traceback shows; then resume with "
                        f"--load {save_dir}")
+            every_rank = getattr(refusal, "every_rank", False)  # then rank 0 alone says it
+            where = "" if every_rank else f" on rank {collectives.rank()}"
             raise CheckpointSaveError(
-                f"saving iteration {iteration} to {save_dir} failed on rank {collectives.rank()}: "
-                f"{_first_line(exc)} {fix}") from exc
+                f"saving iteration {iteration} to {save_dir} failed{where}: {_first_line(exc)} "
+                f"{fix}", every_rank=every_rank) from exc
         return result
 
     setattr(save_checkpoint, COMMIT_MARK, True)

@@ -74,6 +74,7 @@ class IncompleteCheckpointError(CheckpointingException):
     """A save or load was refused because the checkpoint layout is incomplete or wrong."""
 
     refusal_names_its_fix = True  # atomic-checkpoint-commit then keeps this message's fix
+    every_rank = True  # the guards gather their verdict: every rank refuses alike
 
 
 def _listing(lines: list[str]) -> str:

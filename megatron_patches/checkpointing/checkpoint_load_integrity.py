@@ -55,7 +55,7 @@ def _wrap_load(original: Callable) -> Callable:
                                   getattr(margs, "ckpt_format", None))
                     if collectives.rank() == 0 else [])
                 if problems:
-                    raise CheckpointLoadError(" | ".join(problems))
+                    raise CheckpointLoadError(" | ".join(problems), every_rank=True)
             with _schedule_mismatch_refused(call.arguments.get("opt_param_scheduler"), load_dir):
                 return original(*args, **kwargs)
 
@@ -102,7 +102,7 @@ def _schedule_mismatch_refused(scheduler, load_dir: str | None):
                 f"command line's {name} is {found['ours']}, the checkpoint's is "
                 f"{found['saved']}; fix: add --override-opt_param-scheduler to train on with "
                 f"this command line's schedule, or --use-checkpoint-opt_param-scheduler to keep "
-                f"the checkpoint's") from None
+                f"the checkpoint's", every_rank=True) from None
 
     scheduler.load_state_dict = checked_load_state_dict  # this load only: megatron's call site
     try:

@@ -8,11 +8,15 @@ raises one of these.
   every rank exits with `EXIT_STATUS`.
 * `LayerLayoutError`: layers megatron would build, or built, other than the flags ask (#1778).
 * `CheckpointRefusal` (`CheckpointSaveError`, `CheckpointLoadError`): a save or load stopped on
-  purpose once training runs; every rank prints its one line and exits 1.
+  purpose once training runs; every rank exits 1. One whose verdict every rank reached alike
+  (`every_rank`: a gathered verdict, or the same check on every rank) is printed once, by rank
+  0, `pretrain_moe: error: ...`; one rank's own failure by that rank, `... [rank N] ...`.
 * `ToolError`: the tools' refusals (`python -m moe_launcher.convert`, `... .prepare_data`): one
   line `<tool>: error: ...` on stderr, exit `EXIT_STATUS`, nothing left behind.
-* The #1836 guards' `IncompleteCheckpointError` subclasses megatron's own CheckpointingException
-  (megatron reports it per rank), so it lives with the guard: this module imports no megatron.
+* The #1836 guards' `IncompleteCheckpointError` subclasses megatron's own CheckpointingException,
+  so it lives with the guard (this module imports no megatron); it says `refusal_names_its_fix`
+  and `every_rank`. Raised inside a torch.distributed.checkpoint load, it reaches the entrypoint
+  inside torch's CheckpointException, where `find_refusal` finds it.
 
 Imports nothing of megatron or torch: the entrypoint imports it before either.
 """
@@ -41,7 +45,14 @@ class LayerLayoutError(ValueError):
 
 
 class CheckpointRefusal(RuntimeError):
-    """A save or load this project stopped on purpose; the message says what and where."""
+    """A save or load this project stopped on purpose; the message says what and where.
+    `every_rank`: every rank raises it alike (rank 0 alone then prints it)."""
+
+    refusal_names_its_fix = True
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class CheckpointSaveError(CheckpointRefusal):
@@ -61,14 +72,35 @@ class ToolError(Exception):
         return f"{self.tool}: error: {self}"
 
 
-def refusal_types() -> tuple[type, ...]:
-    """Exceptions the launcher prints as one line per rank, without a traceback. The #1836
-    guard's IncompleteCheckpointError keeps megatron's per-rank error report (its tests read
-    it); it names the directory and the tensors either way."""
-    return (CheckpointRefusal,)
+def exceptions_in(exc: BaseException):
+    """`exc`, its causes and contexts, and the per-rank exceptions torch's CheckpointException
+    carries in `failures` ({rank: (exception, traceback summary)})."""
+    seen, todo = set(), [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()
+                     if isinstance(f, (tuple, BaseException))]
 
 
-def refusal_line(exc: BaseException) -> str:
+def find_refusal(exc: BaseException) -> BaseException | None:
+    """The refusal behind `exc` (one that says `refusal_names_its_fix`), wherever
+    `exceptions_in` finds it; None if there is none."""
+    return next((e for e in exceptions_in(exc) if getattr(e, "refusal_names_its_fix", False)),
+                None)
+
+
+def refusal_line(exc: BaseException) -> str | None:
+    """The line this rank prints for refusal `exc`: rank 0's alone where every rank refused
+    alike (None on the others), else every rank's own, naming its rank."""
     rank = os.environ.get("RANK", "0")
     text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if getattr(exc, "every_rank", False):
+        return f"pretrain_moe: error: {text}" if rank == "0" else None
     return f"pretrain_moe: error: [rank {rank}] {text}"

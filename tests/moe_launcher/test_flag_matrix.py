@@ -287,7 +287,7 @@ def test_resume_with_a_longer_schedule_is_refused_with_both_fixes(tmp_path):
     launch(2, [*resume, "--train-iters", "2"]).check()
     refused = launch(2, [*resume, "--train-iters", "4"])
     errors = [line for line in refused.log.splitlines() if "pretrain_moe: error:" in line]
-    assert refused.exit_codes == [1, 1] and len(errors) == 2, refused.log[-3000:]
+    assert refused.exit_codes == [1, 1] and len(errors) == 1, refused.log[-3000:]  # rank 0's
     assert all("--train-iters" in line and "--override-opt_param-scheduler" in line
                and "--use-checkpoint-opt_param-scheduler" in line for line in errors), errors
     assert "Traceback" not in refused.log and "iteration        3/" not in refused.log

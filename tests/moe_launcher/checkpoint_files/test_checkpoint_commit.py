@@ -18,7 +18,7 @@ import pytest
 
 from megatron_patches.checkpointing import atomic_checkpoint_commit
 from moe_launcher.checkpoint_files import commit_protocol, file_checks, retention, writer_claim
-from moe_launcher.runtime.refusals import CheckpointSaveError
+from moe_launcher.runtime.refusals import CheckpointSaveError, find_refusal
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -291,14 +291,14 @@ def test_failed_save_advice_follows_the_cause():
         except OSError as write_error:
             raise RuntimeError("CheckpointException ranks:{0: OSError(27)}") from write_error
     except RuntimeError as wrapped:
-        assert not atomic_checkpoint_commit._is_deliberate_refusal(wrapped)
+        assert find_refusal(wrapped) is None
     try:
         raise IncompleteCheckpointError("[megatron_patches] refusing to save the checkpoint")
     except IncompleteCheckpointError as refusal:
         try:
             raise RuntimeError("save failed") from refusal
         except RuntimeError as wrapped:
-            assert atomic_checkpoint_commit._is_deliberate_refusal(wrapped)
+            assert find_refusal(wrapped) is refusal
 
 
 def test_room_is_judged_by_errno_or_by_measure(tmp_path):
