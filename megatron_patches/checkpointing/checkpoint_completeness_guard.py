@@ -13,7 +13,9 @@ Save guard ("checkpoint-completeness-guard"):
   async saves alike) is where the model and its sharded state dict meet. Each rank judges its
   own ShardedTensors/DTensors against the parameters behind them (moe_launcher.model.param_shapes:
   local shape, partition dim, the size of the group that partitions it), the ranks agree on the
-  union of problems and every rank refuses before a byte is written. No flag name enters.
+  union of problems and every rank refuses before a byte is written. No flag name enters. A
+  run that saves in torch_dist is judged once before training too (where get_megatron_optimizer
+  gets the built model): a layout no save could write is refused before iteration 1.
 * tiling: on the metadata megatron has already all-gathered for its own check (or, where it
   skips that gather, on our own), every rank checks that main replicas cover each tensor once,
   so every rank raises the same error instead of rank 0 alone.
@@ -185,6 +187,18 @@ class GuardRecord:
         passed.add(fingerprint)
 
 
+def _judge_model_once(record: GuardRecord, state_dict: dict, model: Any) -> None:
+    """refuse_wrong_model_shapes, unless every rank's model part of `state_dict` has a structure
+    that passed before. Collective."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    fingerprint = _structure_fingerprint(
+        {k: v for k, v in state_dict.items() if str(k).startswith("model")},
+        tuple(id(chunk) for chunk in chunks))
+    if not record.passed_before("model shapes", fingerprint):
+        refuse_wrong_model_shapes(state_dict, model, said=record.said)
+        record.passed("model shapes", fingerprint)
+
+
 def _guard_generate_state_dict(original: Callable, record: GuardRecord) -> Callable:
     signature = inspect.signature(original)
 
@@ -195,13 +209,7 @@ def _guard_generate_state_dict(original: Callable, record: GuardRecord) -> Calla
         margs, model = bound.arguments["args"], bound.arguments["model"]
         # These formats build the state dict on every rank (the legacy `torch` format does not).
         if getattr(margs, "ckpt_format", None) in ("torch_dist", "fsdp_dtensor"):
-            chunks = model if isinstance(model, (list, tuple)) else [model]
-            fingerprint = _structure_fingerprint(
-                {k: v for k, v in state_dict.items() if str(k).startswith("model")},
-                tuple(id(chunk) for chunk in chunks))
-            if not record.passed_before("model shapes", fingerprint):
-                refuse_wrong_model_shapes(state_dict, model, said=record.said)
-                record.passed("model shapes", fingerprint)
+            _judge_model_once(record, state_dict, model)
         return state_dict
 
     setattr(generate_state_dict, _MARK, True)
@@ -342,6 +350,50 @@ def _guard_save_preprocess(original: Callable, record: GuardRecord) -> Callable:
     return save_preprocess
 
 
+def _judge_before_training(get_megatron_optimizer: Callable, record: GuardRecord) -> Callable:
+    """setup_model_and_optimizer hands get_megatron_optimizer the model it built, before the
+    optimizer, the load and iteration 1. A run that saves in torch_dist gets its model judged
+    there, on the sharded state dict megatron's saves build of it (generate_state_dict's model
+    part, with the save's metadata), and the verdict kept for the first save: a model whose
+    layout no save could write is refused in seconds, not at the end of the first save
+    interval. Where a rank cannot build that state dict yet, the first save judges it, as
+    before (said once). Collective: every rank builds, then all judge or none."""
+    signature = inspect.signature(get_megatron_optimizer)
+
+    @functools.wraps(get_megatron_optimizer)
+    def get_megatron_optimizer_judged(*args, **kwargs):
+        from megatron.training import checkpointing, get_args
+
+        margs = get_args()
+        if margs.save and getattr(margs, "ckpt_format", None) == "torch_dist":
+            from megatron.core.utils import unwrap_model
+
+            model = signature.bind(*args, **kwargs).arguments["model_chunks"]
+            # unwrapped as save_checkpoint unwraps them (DDP's state dict prefixes `module.`)
+            chunks = unwrap_model(list(model) if isinstance(model, (list, tuple)) else [model])
+            build_metadata = getattr(checkpointing, "_build_sharded_state_dict_metadata", None)
+            state_dict, failure = {}, None
+            try:
+                metadata = build_metadata(margs) if build_metadata is not None else None
+                for i, chunk in enumerate(chunks):  # megatron's keys: model, or model0, model1..
+                    state_dict["model" if len(chunks) == 1 else f"model{i}"] = (
+                        chunk.sharded_state_dict(metadata=metadata))
+            except Exception as exc:  # noqa: BLE001 -- the first save judges it instead
+                failure = f"rank {collectives.rank()}: {type(exc).__name__}: {exc}"
+            failures = [f for f in collectives.gather_objects(failure) if f]
+            if not failures:
+                _judge_model_once(record, state_dict, chunks)
+            elif collectives.rank() == 0 and "before training" not in record.said:
+                record.said.add("before training")
+                print(f"[megatron_patches] {SAVE_GUARD.name}: the model's checkpoint layout "
+                      f"could not be judged before training ({failures[0]}); the first save "
+                      f"judges it", flush=True)
+        return get_megatron_optimizer(*args, **kwargs)
+
+    get_megatron_optimizer_judged.__wrapped_by__ = SAVE_GUARD.name
+    return get_megatron_optimizer_judged
+
+
 def _wrap(module: Any, name: str, guard: Callable[[Callable], Callable]) -> None:
     if not hasattr(getattr(module, name), _MARK):
         setattr(module, name, guard(getattr(module, name)))
@@ -359,6 +411,11 @@ def apply_save_guard() -> None:
     if (checkpointing := _megatron_training_checkpointing()) is not None:
         _wrap(checkpointing, "generate_state_dict",
               functools.partial(_guard_generate_state_dict, record=record))
+        from megatron.training import training
+
+        if not registry.wrapped_by(training.get_megatron_optimizer, SAVE_GUARD.name):
+            training.get_megatron_optimizer = _judge_before_training(
+                training.get_megatron_optimizer, record)
 
 
 def _save_guard_not_needed(context: registry.PatchContext) -> str | None:

@@ -39,11 +39,15 @@ def test_the_built_offsets_carry_the_mark_their_sharding_declares(monkeypatch):
                    for p in offsets(cpu.build_gpt(config, seq_length=16)))
 
 
-def test_unpatched_the_first_tp2_save_is_refused(tmp_path):
+def test_unpatched_a_tp2_run_that_saves_is_refused_before_iteration_1(tmp_path):
     run = launch(2, [*SINKS, *TP2, "--train-iters", str(K), "--save", str(tmp_path / "ckpt")],
                  env={"MEGATRON_PATCHES_DISABLE": NAME})
-    assert run.returncode != 0
-    assert "softmax_offset" in run.log and "refusing to checkpoint" in run.log, run.log[-3000:]
+    assert run.exit_codes == [1, 1], run.log[-3000:]
+    errors = [line for line in run.log.splitlines() if "pretrain_moe: error:" in line]
+    assert len(errors) == 1 and "softmax_offset" in errors[0], run.log[-3000:]
+    assert "refusing to checkpoint" in errors[0]
+    # judged when megatron built the model (checkpoint-completeness-guard), not at the save
+    assert "iteration        1/" not in run.log and not (tmp_path / "ckpt").exists()
 
 
 @pytest.fixture(scope="module")
