@@ -40,23 +40,24 @@ def train_valid_test_datasets(train_valid_test_num_samples, vp_stage=None):
 train_valid_test_datasets.is_distributed = True
 
 
-def dataset_prefixes(data_path: list[str] | None) -> list[str]:
-    """The dataset prefixes of a --data-path value (blend weights skipped)."""
-    return [p for p in (data_path or []) if not _is_number(p)]
+_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 
 
-def missing_data_paths(data_path: list[str] | None) -> list[str]:
-    """The --data-path prefixes (weights skipped) whose .bin/.idx files do not exist."""
-    return [p for p in dataset_prefixes(data_path)
-            if not (os.path.exists(p + ".bin") and os.path.exists(p + ".idx"))]
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
+def datasets_read(args) -> list[tuple[str, str]]:
+    """(flag, prefix) for every dataset the run reads, as megatron's own
+    get_blend_and_blend_per_split resolves them: --data-path blends, the per-split paths, and the
+    files --data-args-path and --per-split-data-args-path name (read here, as megatron does)."""
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    found = []
+    if blend is not None:
+        flag = "--data-args-path" if getattr(args, "data_args_path", None) else "--data-path"
+        found += [(flag, prefix) for prefix in blend[0]]
+    for split_flag, split in zip(_SPLIT_FLAGS, blend_per_split or ()):
+        if split is not None:
+            flag = ("--per-split-data-args-path"
+                    if getattr(args, "per_split_data_args_path", None) else split_flag)
+            found += [(flag, prefix) for prefix in split[0]]
+    return found
 
 
 # megatron's .idx: MMIDIDX header (9 bytes), version <Q, token dtype code <B, sequence count <Q,

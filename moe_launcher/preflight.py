@@ -361,23 +361,30 @@ def check_context_parallel_attention(args) -> None:
 def check_data_path(args) -> None:
     if getattr(args, "mock_data", False):
         return
-    from moe_launcher.data import dataset_prefixes, index_problem, missing_data_paths
+    from moe_launcher.data import datasets_read, index_problem
 
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        missing = missing_data_paths(getattr(args, flag, None))
-        name = "--" + flag.replace("_", "-")
+    for name in ("data_args_path", "per_split_data_args_path"):
+        listing = getattr(args, name, None)
+        if listing and not os.path.isfile(listing):
+            flag = "--" + name.replace("_", "-")
+            raise PreflightError(flag, f"{flag} {listing}: no such file; fix: pass the file "
+                                       "that lists the datasets, or --data-path")
+    datasets = datasets_read(args)
+    for flag in dict.fromkeys(flag for flag, _ in datasets):
+        missing = [p for f, p in datasets if f == flag
+                   and not (os.path.exists(p + ".bin") and os.path.exists(p + ".idx"))]
         if missing:
-            raise PreflightError(name,
-                                 f"{name} {missing[0]}: no {missing[0]}.bin/.idx"
+            raise PreflightError(flag,
+                                 f"{flag} {missing[0]}: no {missing[0]}.bin/.idx"
                                  + (f" (and {len(missing) - 1} more prefixes missing)"
                                     if len(missing) > 1 else "")
                                  + "; fix: pass the prefix of an indexed dataset (the path "
                                  "without .bin/.idx) or --mock-data")
-        for prefix in dataset_prefixes(getattr(args, flag, None)):
-            if problem := index_problem(prefix):
-                raise PreflightError(name, f"{name} {prefix}: {problem}; fix: copy the dataset "
-                                           "again, or rebuild it (python -m "
-                                           "moe_launcher.prepare_data)")
+    for flag, prefix in datasets:
+        if problem := index_problem(prefix):
+            raise PreflightError(flag, f"{flag} {prefix}: {problem}; fix: copy the dataset "
+                                       "again, or rebuild it (python -m "
+                                       "moe_launcher.prepare_data)")
 
 
 @preflight_check("tokenizer-model-folder")

@@ -51,3 +51,30 @@ def test_an_intact_dataset_passes(tmp_path, monkeypatch):
     prefix = str(tmp_path / "corpus_text_document")
     written(prefix)
     assert judge(1, [*MODEL, "--data-path", prefix], monkeypatch) is None
+
+
+def test_datasets_named_in_files_are_checked_too(tmp_path, monkeypatch):
+    """--data-args-path and --per-split-data-args-path name their datasets in a file, which
+    megatron reads (get_blend_and_blend_per_split): the datasets they name are judged the same,
+    the refusal naming the flag; a listing file that does not exist is refused in one line."""
+    import json
+
+    good, damaged = str(tmp_path / "good_text_document"), str(tmp_path / "cut_text_document")
+    written(good)
+    written(damaged)
+    cut(damaged + ".bin", lambda n: n // 2)
+    listing = tmp_path / "data_args.txt"
+    listing.write_text(f"0.5 {good} 0.5 {damaged}\n")
+    line = judge(1, [*MODEL, "--data-args-path", str(listing)], monkeypatch)
+    assert line and line.startswith(f"pretrain_moe: error: --data-args-path {damaged}: "), line
+    assert "the .bin is truncated" in line, line
+
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": [good], "valid": [damaged], "test": [good]}))
+    line = judge(1, [*MODEL, "--per-split-data-args-path", str(splits)], monkeypatch)
+    assert line and line.startswith(f"pretrain_moe: error: --per-split-data-args-path {damaged}: "), line
+
+    splits.write_text(json.dumps({"train": [good], "valid": [good], "test": [good]}))
+    assert judge(1, [*MODEL, "--per-split-data-args-path", str(splits)], monkeypatch) is None
+    line = judge(1, [*MODEL, "--data-args-path", str(tmp_path / "absent.txt")], monkeypatch)
+    assert line and "--data-args-path" in line and "no such file" in line, line
