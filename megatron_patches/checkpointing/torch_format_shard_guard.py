@@ -121,7 +121,7 @@ def check_model(model_chunks, args) -> None:
             f"{ps.get_expert_tensor_parallel_world_size()}) but would all write and read one file, "
             f"iter_*/{os.path.relpath(name, os.path.dirname(os.path.dirname(name)))}: all but "
             f"one piece would be lost without a word ({UPSTREAM}); fix: --ckpt-format "
-            "torch_dist (or an expert tensor-parallel size equal to the tensor-parallel size)")
+            "torch_dist (or an expert tensor-parallel size that divides the tensor-parallel size)")
 
 
 def _wrap_optimizer_builder(get_megatron_optimizer):
