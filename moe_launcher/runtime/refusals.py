@@ -11,6 +11,8 @@ raises one of these.
   purpose once training runs; every rank exits 1. One whose verdict every rank reached alike
   (`every_rank`: a gathered verdict, or the same check on every rank) is printed once, by rank
   0, `pretrain_moe: error: ...`; one rank's own failure by that rank, `... [rank N] ...`.
+* `DataRefusal`: a batch the model cannot take (token ids past its vocabulary), before it moves
+  to the device; the rank that read it prints its line and exits 1.
 * `ToolError`: the tools' refusals (`python -m moe_launcher.convert`, `... .prepare_data`): one
   line `<tool>: error: ...` on stderr, exit `EXIT_STATUS`, nothing left behind.
 * The #1836 guards' `IncompleteCheckpointError` subclasses megatron's own CheckpointingException,
@@ -61,6 +63,14 @@ class CheckpointSaveError(CheckpointRefusal):
 
 class CheckpointLoadError(CheckpointRefusal):
     pass
+
+
+class DataRefusal(RuntimeError):
+    """Training data the model cannot take (a token id past its vocabulary), met in a batch:
+    the rank that read it prints one line naming it and exits 1, instead of an IndexError (a
+    device-side assert on a GPU)."""
+
+    refusal_names_its_fix = True
 
 
 class ToolError(Exception):

@@ -78,3 +78,22 @@ def test_datasets_named_in_files_are_checked_too(tmp_path, monkeypatch):
     assert judge(1, [*MODEL, "--per-split-data-args-path", str(splits)], monkeypatch) is None
     line = judge(1, [*MODEL, "--data-args-path", str(tmp_path / "absent.txt")], monkeypatch)
     assert line and "--data-args-path" in line and "no such file" in line, line
+
+
+def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path):
+    """Data tokenized with a larger tokenizer than the model's (ids up to 499 for a 64-token
+    NullTokenizer, 128 embedding rows once padded): before, an IndexError in the embedding on
+    every rank (a device-side assert on a GPU); now the rank that reads the batch names the data,
+    the id and the iteration in one line, before the batch moves to the device."""
+    from _launch import launch
+
+    prefix = str(tmp_path / "corpus_text_document")
+    written(prefix)
+    model = [arg for arg in MODEL if arg not in ("--vocab-size", "512")]
+    run = launch(1, [*model, "--vocab-size", "64", "--data-path", prefix, "--split", "100,0,0"])
+    errors = [line for line in run.log.splitlines() if "pretrain_moe: error:" in line]
+    assert run.exit_codes == [1] and len(errors) == 1, run.log[-3000:]
+    assert f"--data-path: token id " in errors[0] and "past the model's vocabulary (128 " \
+        "embedding rows" in errors[0] and "iteration 1 " in errors[0], errors[0]
+    assert "Traceback" not in run.log and "IndexError" not in run.log
+    assert "iteration        1/" not in run.log
