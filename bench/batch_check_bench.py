@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 import types
 
 import torch
@@ -21,6 +19,8 @@ from torch.utils.data import default_collate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.timing import median_seconds  # noqa: E402
 
 from moe_launcher import gpt_step  # noqa: E402
 
@@ -33,15 +33,6 @@ def sample(seq: int, generator: torch.Generator) -> dict:
     text = torch.randint(0, VOCAB, (seq + 1,), generator=generator)
     return {"tokens": text[:-1].contiguous(), "labels": text[1:].contiguous(),
             "loss_mask": torch.ones(seq), "position_ids": torch.arange(seq)}
-
-
-def median_seconds(repeats: int, run) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import statistics
 import struct
 import sys
 import tempfile
-import time
 
 import numpy
 
@@ -29,6 +27,7 @@ sys.path.insert(0, ROOT)
 
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, IndexedDataset  # noqa: E402
 
+from bench.timing import median_seconds  # noqa: E402
 from moe_launcher.data import index_problem  # noqa: E402
 
 TOKENS_PER_SEQUENCE = 2048
@@ -55,15 +54,6 @@ def write_dataset(prefix: str, sequences: int) -> int:
     return size
 
 
-def best_of(repeats: int, run) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times) if repeats < 3 else statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="16384,1048576,16777216",
@@ -76,8 +66,8 @@ def main() -> None:
             prefix = os.path.join(folder, f"synthetic_{sequences}_text_document")
             bin_size = write_dataset(prefix, sequences)
             assert index_problem(prefix) is None
-            ours = best_of(options.repeats, lambda: index_problem(prefix))
-            megatron = best_of(options.repeats, lambda: IndexedDataset(prefix, mmap=True))
+            ours = median_seconds(options.repeats, lambda: index_problem(prefix))
+            megatron = median_seconds(options.repeats, lambda: IndexedDataset(prefix, mmap=True))
             print(f"{sequences:9d} sequences: .idx {os.path.getsize(prefix + '.idx') / 2**20:8.1f} "
                   f"MiB, .bin {bin_size / 2**30:7.1f} GiB (sparse) | check {ours * 1e3:7.3f} ms | "
                   f"megatron's IndexedDataset open {megatron * 1e3:8.2f} ms | check / megatron "
