@@ -55,15 +55,6 @@ def held_pieces(model_chunks) -> tuple:
     return ps.get_pipeline_model_parallel_rank(), expert_rank, pieces
 
 
-def _shared_files(files_and_pieces: list[tuple[str, tuple]]) -> list[tuple[str, list[int]]]:
-    """(file, ranks) for every file that ranks holding different pieces would share."""
-    by_file: dict[str, dict[tuple, list[int]]] = {}
-    for rank, (name, pieces) in enumerate(files_and_pieces):
-        by_file.setdefault(name, {}).setdefault(pieces, []).append(rank)
-    return [(name, sorted(r for ranks in holders.values() for r in ranks))
-            for name, holders in by_file.items() if len(holders) > 1]
-
-
 def _torch_format(args) -> bool:
     return "torch" in (args.ckpt_format, getattr(args, "ckpt_convert_format", None))
 
@@ -109,7 +100,7 @@ def check_model(model_chunks, args) -> None:
         return
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     mine = (get_checkpoint_name(directory, 0), held_pieces(chunks))
-    shared = _shared_files(collectives.gather_objects(mine))
+    shared = torch_format.shared(collectives.gather_objects(mine))
     if shared:
         from megatron.core import parallel_state as ps
 

@@ -204,7 +204,7 @@ def audit_torch_format(iteration_dir: str) -> TorchFormatReport:
         return TorchFormatReport(iteration_dir, None, files, [])
     layout = torch_format.SavedLayout.from_args(args)
     files, problems = [], []
-    for name, pieces in sorted(torch_format.writers(layout).items()):
+    for name, pieces in sorted(torch_format.by_file(torch_format.writers(layout)).items()):
         path = os.path.join(iteration_dir, name, torch_format.MODEL_FILE)
         ranks = sorted(r for held in pieces.values() for r in held)
         files.append({"file": os.path.relpath(path, iteration_dir), "ranks": ranks,

@@ -70,10 +70,24 @@ class SavedLayout:
                                              else "no experts"))
 
 
-def writers(layout: SavedLayout) -> dict[str, dict[int, list[int]]]:
-    """Every file a torch-format save at `layout` writes (megatron's get_checkpoint_name: TP, PP
-    and EP ranks), and the ranks writing it by the expert TP piece they hold, with the rank
-    layout megatron's own RankGenerator builds."""
+def by_file(files_and_pieces: list[tuple[str, object]]) -> dict[str, dict[object, list[int]]]:
+    """Rank r's (file it writes, piece it holds) -> per file, the ranks writing it by piece."""
+    grouped: dict[str, dict[object, list[int]]] = {}
+    for rank, (name, piece) in enumerate(files_and_pieces):
+        grouped.setdefault(name, {}).setdefault(piece, []).append(rank)
+    return grouped
+
+
+def shared(files_and_pieces: list[tuple[str, object]]) -> list[tuple[str, list[int]]]:
+    """(file, ranks) for every file that ranks holding different pieces would write."""
+    return [(name, sorted(r for ranks in pieces.values() for r in ranks))
+            for name, pieces in by_file(files_and_pieces).items() if len(pieces) > 1]
+
+
+def writers(layout: SavedLayout) -> list[tuple[str, int]]:
+    """Rank r's file in a torch-format save at `layout` (megatron's get_checkpoint_name: TP, PP
+    and EP ranks) and the expert TP piece it holds, with the rank layout megatron's own
+    RankGenerator builds."""
     from megatron.core.parallel_state import RankGenerator
 
     world, tp, pp, cp, ep = layout.world, layout.tp, layout.pp, layout.cp, layout.ep
@@ -83,20 +97,15 @@ def writers(layout: SavedLayout) -> dict[str, dict[int, list[int]]]:
     expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
     tp_of, pp_of = _positions(dense, "tp"), _positions(dense, "pp")
     etp_of, ep_of = _positions(expert, "tp"), _positions(expert, "ep")
-    by_file: dict[str, dict[int, list[int]]] = {}
-    for rank in range(world):
-        name = (f"mp_rank_{tp_of[rank]:02d}" + (f"_{pp_of[rank]:03d}" if pp > 1 else "")
-                + (f"_{ep_of[rank]:03d}" if ep > 1 else ""))
-        by_file.setdefault(name, {}).setdefault(etp_of[rank] if layout.experts else 0,
-                                                []).append(rank)
-    return by_file
+    return [(f"mp_rank_{tp_of[rank]:02d}" + (f"_{pp_of[rank]:03d}" if pp > 1 else "")
+             + (f"_{ep_of[rank]:03d}" if ep > 1 else ""),
+             etp_of[rank] if layout.experts else 0) for rank in range(world)]
 
 
 def shared_files(args) -> list[tuple[str, list[int]]]:
     """(file, ranks) for every torch-format file that ranks holding different expert pieces
     wrote, at the layout `args` describes (megatron's saved arguments)."""
-    return [(name, sorted(r for ranks in pieces.values() for r in ranks))
-            for name, pieces in writers(SavedLayout.from_args(args)).items() if len(pieces) > 1]
+    return shared(writers(SavedLayout.from_args(args)))
 
 
 def damage(layout: SavedLayout, name: str, ranks: list[int]) -> str:
