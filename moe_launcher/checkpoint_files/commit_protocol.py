@@ -44,7 +44,7 @@ def private_name(prefix: str, claim_id: str, name: str) -> str:
 def public_name(leftover: str, prefix: str) -> str:
     """The name a `private_name` (or an older, id-less leftover) stands for."""
     rest = leftover[len(prefix):]
-    return rest[_CLAIM_ID.match(rest).end():] if _CLAIM_ID.match(rest) else rest
+    return rest[claim.end():] if (claim := _CLAIM_ID.match(rest)) else rest
 
 
 def _fsync_file(path: str) -> None:
