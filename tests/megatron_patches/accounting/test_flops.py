@@ -231,3 +231,24 @@ def test_mfu_in_the_iteration_line_and_tensorboard_only_with_the_patch(patched, 
     else:
         assert line in out and "MFU" not in out, out
         assert scalars == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_a_cpu_run_prints_its_throughput_only_with_the_patch(patched):
+    """The same 2-iteration run of the tiny MoE through pretrain_moe.py: megatron-core 0.19.2
+    prints the throughput with one decimal, so every iteration line of a CPU run says 0.0
+    TFLOP/s/GPU (MEGATRON_PATCHES_DISABLE=mfu-log); with mfu-log the line carries three
+    significant digits of megatron's own value."""
+    import re
+
+    from _launch import TINY_MODEL, launch
+
+    run = launch(1, [*TINY_MODEL, "--train-iters", "2"],
+                 env={} if patched else {"MEGATRON_PATCHES_DISABLE": "mfu-log"}).check()
+    printed = re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+) \|", run.log)
+    assert len(printed) == 2, run.log[-3000:]
+    if patched:
+        assert all(float(value) > 0 and len(value.lstrip("0.")) >= 3 for value in printed), printed
+    else:
+        assert printed == ["0.0", "0.0"], printed
