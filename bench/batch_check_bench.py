@@ -22,6 +22,8 @@ sys.path.insert(0, ROOT)
 
 from bench.timing import median_seconds  # noqa: E402
 
+from megatron.training.global_vars import set_args  # noqa: E402
+
 from moe_launcher import gpt_step  # noqa: E402
 
 VOCAB = 151_936  # Qwen3's padded vocabulary: ids drawn below it, so the check passes
@@ -41,8 +43,8 @@ def main() -> None:
                         help="micro-batch size x sequence length")
     parser.add_argument("--repeats", type=int, default=51)
     options = parser.parse_args()
-    # The check reads the model's vocabulary from megatron's arguments.
-    gpt_step.get_args = lambda: types.SimpleNamespace(padded_vocab_size=VOCAB)
+    # The check reads the model's vocabulary from megatron's arguments, as under pretrain().
+    set_args(types.SimpleNamespace(padded_vocab_size=VOCAB))
     generator = torch.Generator().manual_seed(0)
     for shape in options.shapes.split(","):
         micro_batch, seq = map(int, shape.split("x"))

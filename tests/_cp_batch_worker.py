@@ -8,6 +8,7 @@ the two sequence chunks megatron's load-balanced CP split gives its CP rank: chu
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -19,14 +20,18 @@ cpu_backend.activate()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from megatron.training.global_vars import set_args  # noqa: E402
 
 from moe_launcher import gpt_step  # noqa: E402
 
 CP, SEQ = 2, 16
+VOCAB = 4096  # above every id in the batch: the step's vocabulary check passes it
 
 
 def main() -> None:
     dist.init_process_group("gloo")
+    # The step reads the model's vocabulary from megatron's arguments, as under pretrain().
+    set_args(SimpleNamespace(padded_vocab_size=VOCAB))
     parallel_state.initialize_model_parallel(context_parallel_size=CP)
     cp_rank = parallel_state.get_context_parallel_rank()
     positions = torch.arange(SEQ).repeat(2, 1)  # micro-batch of 2 sequences
