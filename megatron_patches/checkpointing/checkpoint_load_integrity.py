@@ -19,7 +19,7 @@ from typing import Callable
 
 from megatron_patches.checkpointing.atomic_checkpoint_commit import install, own, writer_claims_of
 from megatron_patches.registry import Patch, PatchContext, register
-from moe_launcher.checkpoint_files import file_checks
+from moe_launcher.checkpoint_files import file_checks, save_continuity
 from moe_launcher.checkpoint_files import reads as checkpoint_reads
 from moe_launcher.runtime import collectives
 from moe_launcher.runtime.refusals import CheckpointLoadError
@@ -40,9 +40,10 @@ def _wrap_load(original: Callable) -> Callable:
         call.apply_defaults()
         load_dir = getattr(margs, call.arguments.get("load_arg") or "load", None)
         # This job's own --save is claimed (and recovered) before anything is read from it;
-        # only atomic-checkpoint-commit's saves need the claim.
+        # only atomic-checkpoint-commit's saves need the claim, and only a run that saves (an
+        # evaluation may read a directory another job is writing).
         claims = writer_claims_of(checkpointing.save_checkpoint)
-        if margs.save and claims is not None:
+        if save_continuity.writes_checkpoints(margs) and claims is not None:
             own(claims, margs.save, create=False, margs=margs)
         # One read of `.metadata` per rank for this check, the #1836 guard and megatron's load.
         with checkpoint_reads.reading_once():

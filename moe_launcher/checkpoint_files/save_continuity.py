@@ -48,11 +48,18 @@ class SaveUse:
     replaced: tuple[str, ...]     # committed folders this run's saves would write over
 
 
+def writes_checkpoints(args) -> bool:
+    """Whether the run writes into its --save: megatron saves nothing with --skip-train (an
+    evaluation of --load), whatever --save says, so such a run claims and judges no --save."""
+    return bool(getattr(args, "save", None)) and not getattr(args, "skip_train", False)
+
+
 def save_use(args) -> SaveUse | None:
-    """None where --save holds no committed checkpoint (no --save, no tracker, or a tracker
-    naming a folder that is not there: the load checks judge those)."""
+    """None where the run writes no checkpoint (writes_checkpoints) or --save holds no committed
+    one (no tracker, or a tracker naming a folder that is not there: the load checks judge
+    those)."""
     save_dir = getattr(args, "save", None)
-    if not save_dir or not os.path.isdir(save_dir):
+    if not writes_checkpoints(args) or not os.path.isdir(save_dir):
         return None
     try:
         latest = read_tracker(save_dir)

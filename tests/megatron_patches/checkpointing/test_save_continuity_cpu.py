@@ -95,7 +95,9 @@ def test_a_rollback_keeps_the_later_iteration_aside_and_resumes_from_its_step(sa
 def test_a_resume_and_a_fine_tune_elsewhere_go_on_and_touch_none_of_the_saved_files(saved,
                                                                                   tmp_path):
     """No false refusal: the run that continues its --save (with retention: it drops only its
-    own iteration 6, never the saved run's 2), and a fine-tune of it into a new --save."""
+    own iteration 6, never the saved run's 2), a fine-tune of it into a new --save, and an
+    evaluation of that fine-tune whose command line names the saved run's --save (megatron
+    writes nothing with --skip-train)."""
     save, before = saved
     run = launch(2, [*ARGS, "--train-iters", "8", "--override-opt_param-scheduler",
                      "--save-retain-interval", "4", "--save", str(save), "--load", str(save)],
@@ -109,3 +111,10 @@ def test_a_resume_and_a_fine_tune_elsewhere_go_on_and_touch_none_of_the_saved_fi
     launch(2, [*ARGS, "--train-iters", "2", "--finetune", "--load", str(save), "--ckpt-step",
                "4", "--save", str(tuned)], torchrun=True, timeout=300).check()
     assert (tuned / TRACKER).read_text() == "2" and not list(tuned.glob(SET_ASIDE_PREFIX + "*"))
+    resumed = files(save)
+    evaluation = launch(2, [*ARGS, "--train-iters", "2", "--skip-train", "--eval-iters", "1",
+                            "--load", str(tuned), "--save", str(save)], torchrun=True,
+                        timeout=300).check()
+    assert re.search(r"validation loss at iteration 2 .*lm loss value", evaluation.log), \
+        evaluation.log[-3000:]
+    assert files(save) == resumed

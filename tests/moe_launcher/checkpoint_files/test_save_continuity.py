@@ -61,7 +61,8 @@ def test_runs_that_continue_or_write_nothing_there_go_on(tmp_path, monkeypatch):
                  [*BASE, "--save", str(save), "--load", str(save), "--ckpt-step", "2"],  # rollback
                  [*BASE, "--save", str(empty), "--load", str(other), "--finetune"],  # fine-tune
                  [*BASE, "--save", str(tmp_path / "new"), "--load", str(other)],
-                 [*BASE, "--load", str(save)]):                             # writes nothing
+                 [*BASE, "--load", str(save)],                              # writes nothing
+                 [*BASE, "--save", str(save), "--load", str(other), "--skip-train"]):  # an eval
         assert judge(1, argv, monkeypatch) is None, argv
     monkeypatch.setenv(save_continuity.START_OVER_ENV, "1")
     assert judge(1, [*BASE, "--save", str(save)], monkeypatch) is None
