@@ -23,6 +23,10 @@ directory (an evaluation, a fine-tune) only reads there: the iteration the track
 staged one, and it writes nothing (the directory may be read-only). The claim happens at load time
 when --save already exists, else at the first save.
 
+A multi-node run that saves has its --save judged one folder shared by every node before the
+load and iteration 1 (where get_megatron_optimizer gets the built model): on node-local storage
+each node would keep only its own ranks' files (moe_launcher/checkpoint_files/node_view.py).
+
 The claim and its liveness rules: moe_launcher/checkpoint_files/writer_claim.py.
 """
 
@@ -36,8 +40,8 @@ import os
 import shutil
 from typing import Callable
 
-from megatron_patches.registry import Patch, PatchContext, register
-from moe_launcher.checkpoint_files import commit_protocol, save_continuity
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
+from moe_launcher.checkpoint_files import commit_protocol, node_view, save_continuity
 from moe_launcher.checkpoint_files.commit_protocol import (
     STAGING_PREFIX,
     TRACKER,
@@ -55,6 +59,7 @@ from moe_launcher.runtime.refusals import (
     find_refusal,
 )
 
+PATCH_NAME = "atomic-checkpoint-commit"
 COMMIT_MARK = "_megatron_patches_checkpoint_commit"
 # Where a save that fails for a reason other than room leaves its traceback, one file per rank.
 SAVE_FAILURES = "_save_failures"
@@ -361,6 +366,34 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
     return save_checkpoint
 
 
+def _wrap_optimizer_builder(get_megatron_optimizer: Callable) -> Callable:
+    """setup_model_and_optimizer calls get_megatron_optimizer on every rank before the load and
+    iteration 1: there a multi-node run that saves has its --save judged one folder shared by
+    every node (node_view), before anything is written there."""
+
+    @functools.wraps(get_megatron_optimizer)
+    def get_megatron_optimizer_after_node_check(*args, **kwargs):
+        from megatron.training.global_vars import get_args
+
+        margs = get_args()
+        if save_continuity.writes_checkpoints(margs):
+            if line := node_view.check_save_shared(margs.save):
+                print(f"[megatron_patches] atomic-checkpoint-commit: {margs.save}: {line}",
+                      flush=True)
+        return get_megatron_optimizer(*args, **kwargs)
+
+    get_megatron_optimizer_after_node_check.__wrapped_by__ = PATCH_NAME
+    return get_megatron_optimizer_after_node_check
+
+
+def _apply(claims: WriterClaims) -> None:
+    from megatron.training import training
+
+    install("save_checkpoint", functools.partial(_wrap_save, claims=claims), COMMIT_MARK)
+    if not wrapped_by(training.get_megatron_optimizer, PATCH_NAME):
+        training.get_megatron_optimizer = _wrap_optimizer_builder(training.get_megatron_optimizer)
+
+
 def install(name: str, wrapper: Callable[[Callable], Callable], mark: str) -> None:
     """Wraps megatron.training's `name` where save/load call it (checkpointing) and where
     training imported it, once (`mark` tells a wrapped one)."""
@@ -382,16 +415,16 @@ def _commit_not_needed(context: PatchContext) -> str | None:
 
 
 register(Patch(
-    name="atomic-checkpoint-commit",
+    name=PATCH_NAME,
     upstream="Megatron-LM save_checkpoint TODO 'Handle non-empty directories (e.g., after a "
              "crash during saving)'; in-place tracker write",
     versions=">=0.15,<0.20",
     summary="megatron.training.checkpointing.save_checkpoint writes to _partial_<claim>_iter_*, rank 0 "
             "renames it into place, then replaces the tracker (temp + fsync + os.replace); one "
-            "locked writer per --save cleans up; --save-retain-interval deletes after the commit",
+            "locked writer per --save cleans up; --save-retain-interval deletes after the commit; "
+            "a multi-node --save must be one folder every node sees",
     not_needed_because=_commit_not_needed,
-    apply=lambda: install("save_checkpoint",
-                          functools.partial(_wrap_save, claims=WriterClaims()), COMMIT_MARK),
+    apply=lambda: _apply(WriterClaims()),
 ))
 
 

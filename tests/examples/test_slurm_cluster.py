@@ -328,6 +328,38 @@ def test_two_nodes_two_tasks_match_one_node_four_tasks(cluster, one_node_run):
     assert "train.sh: WARNING" not in log  # the world size matches: no node-count warning
     assert losses(log) == losses(one_node_run[0].log)
     assert saved_iteration(ckpt) == 6
+    # The two nodes see one --save (the same filesystem): judged, not refused.
+    assert f"{ckpt}: seen by all 2 nodes of the job (one folder, shared)" in log, log[-4000:]
+    assert not list(ckpt.glob("_node_view_*"))
+
+
+def test_a_save_folder_each_node_keeps_apart_is_refused_before_any_work(cluster):
+    """Node-local storage: the same --save path names another folder on each node. Simulated
+    with a relative CKPT_DIR and a PYTHON wrapper that starts every rank in a folder of its
+    own node's (both slurmd run on this host, so their filesystems are one)."""
+    views = cluster.root / "node-views"
+    for node in cluster.nodes:
+        (views / node).mkdir(parents=True)
+    wrapper = cluster.root / "python-in-node-folder"
+    wrapper.write_text(f"""#!/bin/bash
+script=$(realpath "$1"); shift
+cd "{views}/$SLURMD_NODENAME"
+exec {sys.executable} "$script" "$@"
+""")
+    wrapper.chmod(0o755)
+    job = cluster.submit("node-local", "--nodes=2", "--ntasks-per-node=2", wait=True,
+                         CKPT_DIR="node-local-ckpt", PYTHON=str(wrapper),
+                         MEGATRON_PATCHES_SAVE_VISIBILITY_WAIT_S="2", **SHORT)
+    log = job.log
+    errors = [line for line in log.splitlines() if "pretrain_moe: error:" in line]
+    assert job.returncode != 0 and len(errors) == 1, log[-6000:]
+    assert (f"--save node-local-ckpt is not one folder shared by the job's nodes: rank 0 on "
+            f"{cluster.nodes[0]} wrote _node_view_" in errors[0]), errors[0]
+    assert f"but {cluster.nodes[1]} (1 of 2 nodes) did not see it within 2 s" in errors[0]
+    assert "CKPT_DIR" in errors[0] and "Traceback" not in log, log[-6000:]
+    assert not ITERATION.search(log)  # refused before iteration 1
+    assert sorted(views.rglob("*")) == sorted(views / n for n in cluster.nodes), \
+        sorted(views.rglob("*"))  # nothing left behind on either node
 
 
 def test_resubmitting_a_finished_run_says_so_and_how_to_train_further(cluster, one_node_run):
