@@ -105,3 +105,44 @@ def test_a_job_on_another_host_is_refused_and_the_first_loses_nothing(
     assert resumed.proc.returncode == 0, resumed_log[-3000:]
     assert (save / TRACKER).read_text().strip() == "8"
     assert json.loads((save / WRITER_LOCK).read_text())["host"] == OTHER_HOST
+
+
+def test_a_requeued_attempt_waits_for_its_earlier_one_then_resumes_from_its_last_commit(
+        tmp_path):
+    """Slurm requeued job 77 after its node failed: the earlier attempt's process still holds
+    the writer lock (here alive at a gate with iteration 4 staged, as a dead node's NFSv4 lease
+    or a Lustre eviction keeps the lock). The new attempt waits the requeue bound, takes the
+    directory over, and resumes from iteration 2, the last one committed; job 78 is refused at
+    once."""
+    save, gate = tmp_path / "ckpt", tmp_path / "gate"
+    earlier = LiveRun([*ARGS, "--train-iters", "6", "--save", str(save)], nproc=1, script=HOOKED,
+                      env={"COMMIT_HOOK": f"commit:iter_0000004:wait={gate}",
+                           "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"})
+    try:
+        deadline = time.monotonic() + 300
+        while not Path(f"{gate}.reached").exists():
+            assert earlier.proc.poll() is None and time.monotonic() < deadline, earlier.log()
+            time.sleep(0.2)
+        resume = [*ARGS, "--train-iters", "6", "--save", str(save), "--load", str(save)]
+        other = LiveRun(resume, nproc=1, env={"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "0"})
+        other_log = other.finish(300)
+        assert other.proc.returncode != 0 and "job 77" in other_log, other_log[-3000:]
+        assert not TRAINED.search(other_log), other_log[-3000:]
+
+        requeued = LiveRun(resume, nproc=1, env={
+            "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1",
+            "MEGATRON_PATCHES_REQUEUE_WAIT_S": "2"})
+        log = requeued.finish(300)
+    finally:
+        earlier.rank(0).kill()  # SIGKILL: the failed node's attempt never comes back
+        earlier.finish(60)
+    assert requeued.proc.returncode == 0, log[-3000:]
+    assert "taken over from this job's earlier attempt" in log, log[-3000:]
+    assert re.search(r"loaded checkpoint from .* at iteration 2\b", log), log[-3000:]
+    assert sorted(int(n) for n in re.findall(r"iteration\s+(\d+)/\s*6 \|", log)) == [3, 4, 5, 6]
+    assert (save / TRACKER).read_text().strip() == "6"
+    for iteration in (2, 4, 6):
+        assert file_problems(str(save / f"iter_{iteration:07d}")) == [], iteration
+    assert not [p.name for p in save.iterdir() if p.name.startswith("_partial_")]
+    record = json.loads((save / WRITER_LOCK).read_text())
+    assert (record["job"], record["restart"]) == ("77", 1)
