@@ -120,17 +120,38 @@ def judge_model_state_dict(state_dict: dict, model_chunks: Any) -> Judgement:
         verdict.problems += one.problems
         verdict.unjudged += one.unjudged
         verdict.judged += one.judged
+        verdict.to_tile += one.to_tile
     return verdict
 
 
-def refuse_wrong_model_shapes(state_dict: dict, model_chunks: Any, group=None,
+def _say_tiled_once(keys: list[str], said: set[str]) -> None:
+    if keys and "tiled" not in said and collectives.rank() == 0:
+        said.add("tiled")
+        print(f"[megatron_patches] checkpoint-completeness-guard: {len(keys)} tensor(s) declare a "
+              f"global shape larger than their parameter, which megatron did not mark "
+              f"tensor-parallel (e.g. {keys[0]}); the ranks' pieces tile it exactly once, so "
+              f"they pass", flush=True)
+
+
+def refuse_wrong_model_shapes(state_dict: dict, model_chunks: Any,
                               said: set[str] | None = None) -> None:
-    """Raises on every rank of `group` if any rank's model tensors declare a global shape their
-    parameters contradict. Collective: every rank of `group` must call it. `said`: the notes
-    already printed (the guard's record), so that each is printed once."""
+    """Raises on every rank if any rank's model tensors declare a global shape their parameters
+    contradict. Collective: every rank must call it (the pieces of a key may lie on any rank).
+    `said`: the notes already printed (the guard's record), so that each is printed once."""
+    said = set() if said is None else said
     verdict = judge_model_state_dict(state_dict, model_chunks)
-    problems = collectives.union(verdict.problems, group)
-    _say_unjudged_once(sorted(set(verdict.unjudged)), set() if said is None else said)
+    # Unmarked parameters declared larger than themselves are judged on every rank's pieces:
+    # they pass where the main replicas tile the declared shape once (one gather, with the
+    # verdicts).
+    gathered = collectives.gather_objects((verdict.problems, verdict.to_tile))
+    problems = sorted({problem for mine, _ in gathered for problem in mine})
+    tiled = [pieces for _, pieces in gathered]
+    if any(tiled):
+        untiled = tiling_problems(tiled)
+        problems += untiled
+        if not untiled:
+            _say_tiled_once(sorted({sh.key for pieces in tiled for sh in pieces}), said)
+    _say_unjudged_once(sorted(set(verdict.unjudged)), said)
     if problems:
         raise IncompleteCheckpointError(
             f"[megatron_patches] refusing to checkpoint this model: {len(problems)} tensor(s) "

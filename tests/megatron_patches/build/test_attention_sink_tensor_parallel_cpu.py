@@ -1,15 +1,17 @@
 """Patch attention-sink-tensor-parallel (issue 43, Megatron-LM #7452 finding 8): a model with
 learnable attention sinks (`--softmax-type learnable`, gpt-oss) saves at TP2 + SP and resumes at
-TP2 and at TP1 with the uninterrupted run's losses. Without the patch the checkpoint guard, which
-takes the parameter's tensor-parallel mark as the truth, refuses the first save although the
-checkpoint would be complete: a save interval's work lost, and no checkpoint above TP1.
+TP2 and at TP1 with the uninterrupted run's losses. Without the patch megatron's grad-norm clip
+counts TP rank 0's offsets only; the checkpoint guard, which used to take the missing mark as the
+truth and refuse the first save, now judges such a parameter by how its declared shards tile.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from _launch import TINY_MODEL, launch, tensorboard_scalars
+from _launch import REPO, TINY_MODEL, audit_report, launch, tensorboard_scalars
 from _unpatched import apply_all, leave_out
 
 NAME = "attention-sink-tensor-parallel"
@@ -39,15 +41,31 @@ def test_the_built_offsets_carry_the_mark_their_sharding_declares(monkeypatch):
                    for p in offsets(cpu.build_gpt(config, seq_length=16)))
 
 
-def test_unpatched_a_tp2_run_that_saves_is_refused_before_iteration_1(tmp_path):
+@pytest.mark.parametrize("disabled", [False, True], ids=["patched", "unpatched"])
+def test_megatrons_grad_norm_counts_every_tp_ranks_sink_offsets(disabled):
+    """The reader of the mark that finding 8 is about: megatron's grad-norm selection. Reference:
+    the offsets' global shape megatron declares in sharded_state_dict (8 elements: 2 layers x 4
+    heads); with gradients of ones the squared norm is their count. Unpatched it counts TP rank
+    0's half only."""
+    run = launch(2, [], script=REPO / "tests" / "_sink_grad_norm_worker.py", timeout=180,
+                 env={"MEGATRON_PATCHES_DISABLE": NAME} if disabled else {}).check()
+    (line,) = [line for line in run.log.splitlines() if line.startswith("sink offsets:")]
+    declared = int(re.search(r"declared global elements (\d+)", line).group(1))
+    squared = float(re.search(r"squared ([0-9.]+)", line).group(1))
+    assert declared == 8, line
+    assert squared == (declared / 2 if disabled else declared), line
+
+
+def test_unpatched_a_tp2_run_saves_a_checkpoint_the_guard_judges_complete(tmp_path):
+    """Issue 43 item 1: a parameter without the mark whose declared shards tile its global shape
+    once (here the unmarked offsets) passes the checkpoint guard, said once; before, the guard
+    took the missing mark as the truth and refused the save (a save interval's work lost)."""
     run = launch(2, [*SINKS, *TP2, "--train-iters", str(K), "--save", str(tmp_path / "ckpt")],
-                 env={"MEGATRON_PATCHES_DISABLE": NAME})
-    assert run.exit_codes == [1, 1], run.log[-3000:]
-    errors = [line for line in run.log.splitlines() if "pretrain_moe: error:" in line]
-    assert len(errors) == 1 and "softmax_offset" in errors[0], run.log[-3000:]
-    assert "refusing to checkpoint" in errors[0]
-    # judged when megatron built the model (checkpoint-completeness-guard), not at the save
-    assert "iteration        1/" not in run.log and not (tmp_path / "ckpt").exists()
+                 env={"MEGATRON_PATCHES_DISABLE": NAME}).check()
+    said = [line for line in run.log.splitlines() if "tile it exactly once" in line]
+    assert len(said) == 1 and "softmax_offset" in said[0], run.log[-3000:]
+    assert "refusing" not in run.log
+    audit_report(tmp_path / "ckpt" / f"iter_{K:07d}")  # the audit CLI: complete
 
 
 @pytest.fixture(scope="module")
