@@ -8,6 +8,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
+from moe_launcher import dataset_record
+from moe_launcher.runtime.refusals import DataRefusal
+
 
 def _dataset_config(args) -> GPTDatasetConfig:
     blend, blend_per_split = get_blend_and_blend_per_split(args)
@@ -29,11 +32,24 @@ def _dataset_config(args) -> GPTDatasetConfig:
 
 def train_valid_test_datasets(train_valid_test_num_samples, vp_stage=None):
     args = get_args()
+    if not args.mock_data:
+        _check_records(args)
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0(f"> building {dataset_class.__name__} train/valid/test datasets")
     return BlendedMegatronDatasetBuilder(
         dataset_class, train_valid_test_num_samples, lambda: True, _dataset_config(args)
     ).build()
+
+
+def _check_records(args) -> None:
+    """The datasets' prepare_data records against the tokenizer megatron built and the model's
+    vocabulary (moe_launcher/dataset_record.py), on every rank alike, before any is built."""
+    refusal, note = dataset_record.judge(datasets_read(args), get_tokenizer(),
+                                         args.tokenizer_type, args.padded_vocab_size)
+    if refusal:
+        raise DataRefusal(refusal, every_rank=True)
+    if note:
+        print_rank_0(f"[pretrain_moe] data: {note}")
 
 
 # Each rank builds its own dataset and loader, so batches need no broadcast (see gpt_step).

@@ -4,7 +4,8 @@ place only when complete.
 megatron takes a dataset to be there when both PREFIX.bin and PREFIX.idx exist. Partial files
 are PREFIX.bin.partial and PREFIX.idx.partial (a killed run leaves only those; the next run
 truncates them), and the commit renames the .bin first and the .idx last, after removing an
-old .idx: at no point do a .bin and an .idx of different runs sit side by side."""
+old .idx: at no point do a .bin and an .idx of different runs sit side by side. Before the pair,
+PREFIX.prepare_data.json records what made it (moe_launcher/dataset_record.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 
 import numpy
 
+from moe_launcher import dataset_record
 from moe_launcher.runtime.durable_files import fsync_path
 
 from .errors import PrepareError
@@ -41,14 +43,18 @@ def check_output(output_prefix: str, keys: tuple[str, ...], overwrite: bool) -> 
 class DatasetWriter:
     """One key's dataset, through megatron's IndexedDatasetBuilder."""
 
-    def __init__(self, prefix: str, dtype: type):
+    def __init__(self, prefix: str, dtype: type, record: dict):
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
         self.prefix = prefix
         self.builder = IndexedDatasetBuilder(prefix + ".bin" + PARTIAL, dtype=dtype)
+        self.record = record  # what made it (moe_launcher/dataset_record.py)
+        self.largest = -1  # the largest token id written
 
     def add(self, tokens: numpy.ndarray, lengths: numpy.ndarray) -> None:
         """Documents of a chunk: `tokens` concatenated, lengths[i] of them the i-th's."""
+        if tokens.size:
+            self.largest = max(self.largest, int(tokens.max()))
         ends = numpy.cumsum(lengths)
         for start, end in zip(ends - lengths, ends):
             # A numpy slice, not a tensor: add_document converts with numpy.array(), which
@@ -64,6 +70,8 @@ class DatasetWriter:
     def commit(self) -> None:
         if os.path.exists(self.prefix + ".idx"):
             os.unlink(self.prefix + ".idx")
+        # The record before the pair: a complete .bin/.idx never sits beside an older record.
+        dataset_record.write(self.prefix, {**self.record, "largest_token_id": self.largest})
         os.replace(self.prefix + ".bin" + PARTIAL, self.prefix + ".bin")
         os.replace(self.prefix + ".idx" + PARTIAL, self.prefix + ".idx")
         fsync_path(os.path.dirname(self.prefix) or ".")
@@ -78,11 +86,11 @@ class DatasetWriter:
 class OutputSet:
     """All keys' datasets: finished together, committed together, or all discarded."""
 
-    def __init__(self, output_prefix: str, keys: tuple[str, ...], dtype: type):
+    def __init__(self, output_prefix: str, keys: tuple[str, ...], dtype: type, record: dict):
         self.writers: dict[str, DatasetWriter] = {}
         try:
             for key, prefix in zip(keys, dataset_prefixes(output_prefix, keys)):
-                self.writers[key] = DatasetWriter(prefix, dtype)
+                self.writers[key] = DatasetWriter(prefix, dtype, {**record, "json_key": key})
         except OSError as err:
             self.discard()
             raise PrepareError(f"cannot write {err.filename}: {err.strerror}") from None

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from moe_launcher import dataset_record
+
 from . import inputs, output, tokenize_chunks
 from .config import Chunk, ChunkResult, PrepareConfig
 from .errors import PrepareError
@@ -45,7 +47,12 @@ def prepare(config: PrepareConfig) -> str:
     datasets = output.dataset_prefixes(config.output_prefix, config.json_keys)
     with _workers(config.workers, setup) as pool:
         progress = Progress(inputs.total_input_bytes(files), config.log_interval)
-        outputs = output.OutputSet(config.output_prefix, config.json_keys, dtype)
+        record = {"made_by": "python -m moe_launcher.prepare_data",
+                  "tokenizer": dataset_record.tokenizer_identity(tokenizer, "HuggingFaceTokenizer",
+                                                               config.tokenizer),
+                  "append_eod": config.append_eod,
+                  "inputs": [os.path.abspath(path) for path in files]}
+        outputs = output.OutputSet(config.output_prefix, config.json_keys, dtype, record)
         try:
             chunks = inputs.read_chunks(files, config.json_keys, config.chunk_bytes)
             for result in _in_order(pool, chunks, 2 * config.workers):

@@ -12,7 +12,8 @@ raises one of these.
   (`every_rank`: a gathered verdict, or the same check on every rank) is printed once, by rank
   0, `pretrain_moe: error: ...`; one rank's own failure by that rank, `... [rank N] ...`.
 * `DataRefusal`: a batch the model cannot take (token ids past its vocabulary), before it moves
-  to the device; the rank that read it prints its line and exits 1.
+  to the device; the rank that read it prints its line and exits 1. Datasets made with another
+  tokenizer (their prepare_data record) are refused the same way, printed once by rank 0.
 * `ToolError`: the tools' refusals (`python -m moe_launcher.convert`, `... .prepare_data`): one
   line `<tool>: error: ...` on stderr, exit `EXIT_STATUS`, nothing left behind.
 * The #1836 guards' `IncompleteCheckpointError` subclasses megatron's own CheckpointingException,
@@ -66,11 +67,16 @@ class CheckpointLoadError(CheckpointRefusal):
 
 
 class DataRefusal(RuntimeError):
-    """Training data the model cannot take (a token id past its vocabulary), met in a batch:
-    the rank that read it prints one line naming it and exits 1, instead of an IndexError (a
-    device-side assert on a GPU)."""
+    """Training data the model cannot take: a token id past its vocabulary met in a batch (the
+    rank that read it prints one line naming it and exits 1, instead of an IndexError, a
+    device-side assert on a GPU), or datasets whose prepare_data record names another
+    tokenizer (`every_rank`: every rank judges the same records; rank 0 prints it)."""
 
     refusal_names_its_fix = True
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class ToolError(Exception):

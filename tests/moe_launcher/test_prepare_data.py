@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import fcntl
 import gzip
 import io
@@ -197,7 +198,8 @@ def test_one_and_two_workers_write_the_same_bytes(prepared):
     for ext in (".bin", ".idx"):
         one = Path(prepared["one"] + "_text_document" + ext).read_bytes()
         assert Path(prepared["two"] + "_text_document" + ext).read_bytes() == one
-    assert _files(prepared["two"]) == ["two_text_document.bin", "two_text_document.idx"]
+    assert _files(prepared["two"]) == ["two_text_document.bin", "two_text_document.idx",
+                                       "two_text_document.prepare_data.json"]
     run = prepared["two_run"]
     assert SKIPPED in run.stdout
     progress = [line for line in run.stderr.splitlines() if line.startswith("prepare_data: ")]
@@ -361,7 +363,8 @@ def test_killed_run_leaves_no_complete_output(corpus, tmp_path):
                                  str(corpus.tokenizer), "--output-prefix", prefix,
                                  "--skip-bad-lines")
     assert code == 0, err
-    assert _files(prefix) == ["killed_text_document.bin", "killed_text_document.idx"]
+    assert _files(prefix) == ["killed_text_document.bin", "killed_text_document.idx",
+                              "killed_text_document.prepare_data.json"]
 
 
 def _drain(fd: int, into: list[bytes]) -> None:
@@ -397,7 +400,84 @@ def test_trains_on_the_prepared_data(corpus, prepared, tmp_path):
                      "--tensorboard-dir", str(tmp_path / "tb")])
     run.check()
     assert sorted(tensorboard_scalars(tmp_path / "tb", "lm loss")) == [1, 2, 3]
+    assert "prepare_data record" not in run.log  # its record names this tokenizer
     vocab = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
     padded = -(-vocab // 128) * 128  # --make-vocab-size-divisible-by 128 at TP 1
     assert (f"padded vocab (size: {vocab}) with {padded - vocab} dummy tokens (new size: "
             f"{padded})") in run.log, run.log[-3000:]
+
+
+def test_the_record_names_the_tokenizer_and_the_largest_id(corpus, prepared):
+    """Beside each dataset, what made it. References: the tokenizer loaded again (its
+    identity), megatron's IndexedDataset reading the .bin back (the largest id)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from moe_launcher import dataset_record
+    from moe_launcher.prepare_data.tokenizer import load_tokenizer
+
+    prefix = prepared["two"] + "_text_document"
+    record = json.loads(Path(prefix + dataset_record.SUFFIX).read_text())
+    assert record["tokenizer"] == dataset_record.tokenizer_identity(
+        load_tokenizer(str(corpus.tokenizer)), "HuggingFaceTokenizer", str(corpus.tokenizer))
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
+    assert record["tokenizer"]["vocab_size"] == vocab and len(record["tokenizer"]["sha256"]) == 64
+    assert record["append_eod"] is True and record["json_key"] == "text"
+    assert record["inputs"] and all(os.path.isabs(p) for p in record["inputs"])
+    data = IndexedDataset(prefix)
+    assert record["largest_token_id"] == max(int(data[i].max()) for i in range(len(data)))
+    # the 1-worker output of the same corpus records the same
+    one = json.loads(Path(prepared["one"] + "_text_document" + dataset_record.SUFFIX).read_text())
+    assert one == record | {"inputs": one["inputs"]}
+
+
+def test_training_with_another_tokenizer_is_refused_before_any_work(corpus, prepared, tmp_path):
+    """The data's tokenizer is a BPE of a few hundred tokens; a run with --tokenizer-type
+    NullTokenizer --vocab-size 1000 has rows for every id, so only the record can tell (before,
+    it trained without a word)."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
+    model = _without(TINY_MODEL, {"--mock-data"}, {"--vocab-size"})
+    prefix = prepared["one"] + "_text_document"
+    run = launch(2, [*model, "--vocab-size", "1000", "--data-path", prefix, "--split", "98,2,0",
+                     "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3"])
+    errors = [line for line in run.log.splitlines() if "pretrain_moe: error:" in line]
+    assert run.exit_codes == [1, 1] and len(errors) == 1, run.log[-3000:]
+    assert (f"--data-path {prefix} was tokenized by prepare_data with HuggingFaceTokenizer in "
+            f"{corpus.tokenizer} (vocabulary {vocab}, sha256 " in errors[0]), errors[0]
+    assert "but this run's tokenizer is NullTokenizer (vocabulary 1000)" in errors[0]
+    assert "MOE_LAUNCHER_DATA_OTHER_TOKENIZER_OK=1" in errors[0]
+    assert "Traceback" not in run.log and "lm loss" not in run.log
+    assert not (tmp_path / "cache").exists()  # refused before megatron built a dataset
+
+
+
+def test_records_judged_against_the_run(corpus, prepared, tmp_path):
+    """dataset_record.judge on the prepared dataset with the data's own tokenizer: rows for every
+    id pass; a vocabulary that ends at the largest id is refused naming it; the opt-in goes on,
+    saying so; a damaged record is refused naming the file."""
+    import shutil
+
+    from moe_launcher import dataset_record
+    from moe_launcher.prepare_data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(corpus.tokenizer))
+    prefix = prepared["one"] + "_text_document"
+    largest = json.loads(Path(prefix + dataset_record.SUFFIX).read_text())["largest_token_id"]
+    datasets = [("--data-path", prefix)]
+    judge = functools.partial(dataset_record.judge, datasets, tokenizer, "HuggingFaceTokenizer")
+    assert judge(largest + 1, environ={}) == (None, None)
+    refusal, _ = judge(largest, environ={})
+    assert f"--data-path {prefix} holds token id {largest}" in refusal, refusal
+    assert f"past the model's {largest} embedding rows" in refusal, refusal
+    refusal, note = judge(largest, environ={dataset_record.OTHER_TOKENIZER_ENV: "1"})
+    assert refusal is None and note.endswith(f"as {dataset_record.OTHER_TOKENIZER_ENV}=1 asks")
+    damaged = str(tmp_path / "damaged_text_document")
+    for ext in (".bin", ".idx"):
+        shutil.copyfile(prefix + ext, damaged + ext)
+    Path(damaged + dataset_record.SUFFIX).write_text("{not json")
+    refusal, _ = dataset_record.judge([("--data-path", damaged)], tokenizer,
+                                      "HuggingFaceTokenizer", largest + 1, environ={})
+    assert f"{damaged}{dataset_record.SUFFIX} cannot be read" in refusal, refusal
