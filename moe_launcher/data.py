@@ -3,6 +3,7 @@
 import os
 import struct
 
+import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.training import get_args, get_tokenizer, print_rank_0
@@ -36,9 +37,44 @@ def train_valid_test_datasets(train_valid_test_num_samples, vp_stage=None):
         _check_records(args)
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0(f"> building {dataset_class.__name__} train/valid/test datasets")
-    return BlendedMegatronDatasetBuilder(
+    built = BlendedMegatronDatasetBuilder(
         dataset_class, train_valid_test_num_samples, lambda: True, _dataset_config(args)
     ).build()
+    if args.mock_data:
+        return built
+    return tuple(None if dataset is None else SamplesNamed(dataset) for dataset in built)
+
+
+# The keys SamplesNamed adds to each sample; the forward step pops them off the host batch.
+SOURCE_DATASET, SOURCE_SAMPLE = "source_dataset", "source_sample"
+
+
+class SamplesNamed(torch.utils.data.Dataset):
+    """megatron's GPTDataset or BlendedDataset, each sample also naming where it comes from:
+    the indexed dataset's path prefix and the sample's index in that GPTDataset, so that a batch
+    the model cannot take is named (moe_launcher/gpt_step.py). Wrapped after megatron built it:
+    its index caches keep their names. Everything else is the wrapped dataset's."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name):
+        if name == "dataset":  # not set yet (unpickling in a DataLoader worker)
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, idx):
+        sample = self.dataset[idx]
+        inner, index = self.dataset, idx
+        if "dataset_id" in sample:  # a blend: which of its datasets, and where in it
+            inner = self.dataset.datasets[int(sample["dataset_id"])]
+            index = self.dataset.dataset_sample_index[idx]
+        sample[SOURCE_DATASET] = str(inner.dataset_path)
+        sample[SOURCE_SAMPLE] = -1 if index is None else int(index)
+        return sample
 
 
 def _check_records(args) -> None:

@@ -15,17 +15,20 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
 from megatron.training import get_args
 
+from moe_launcher.data import SOURCE_DATASET, SOURCE_SAMPLE
 from moe_launcher.runtime.refusals import DataRefusal
 
 # megatron's threshold: a loss over 10x the largest recently seen is "spiky".
 SPIKY_LOSS_FACTOR = 10
 
 
-def _refuse_ids_past_vocabulary(batch: dict) -> None:
+def _refuse_ids_past_vocabulary(batch: dict, sources: tuple[list, object] = (None, None)
+                                ) -> None:
     """Raises DataRefusal where the host batch holds a token id the model's embedding has no
     row for (data tokenized with a larger tokenizer than the model's): on the CPU tensors, before
     they move to the device, where the same id is an IndexError (a device-side assert on a GPU,
-    which names nothing). One max over the batch's ids."""
+    which names nothing). One max over the batch's ids. `sources`: each row's dataset and sample
+    index (moe_launcher.data.SamplesNamed), named in the refusal."""
     args = get_args()
     rows = args.padded_vocab_size
     for key in ("tokens", "labels"):
@@ -35,9 +38,15 @@ def _refuse_ids_past_vocabulary(batch: dict) -> None:
                      ("data_path", "data_args_path", "per_split_data_args_path",
                       "train_data_path", "valid_data_path", "test_data_path")
                      if getattr(args, name, None)]
+            datasets, samples = sources
+            where = ""
+            if datasets is not None and samples is not None:
+                row = int((ids >= rows).reshape(len(datasets), -1).any(dim=1).nonzero()[0])
+                where = f" (sample {int(samples[row])} of {datasets[row]})"
             raise DataRefusal(
-                f"{' / '.join(flags) or 'the data'}: token id {largest} in the micro-batch read "
-                f"at iteration {getattr(args, 'curr_iteration', 0) + 1} (consumed samples "
+                f"{' / '.join(flags) or 'the data'}: token id {largest}{where} in the "
+                f"micro-batch read at iteration {getattr(args, 'curr_iteration', 0) + 1} "
+                f"(consumed samples "
                 f"{getattr(args, 'consumed_train_samples', 0)}) is past the model's vocabulary "
                 f"({rows} embedding rows, from --vocab-size or the tokenizer); the data was "
                 f"tokenized with another, larger tokenizer. Fix: train with the tokenizer the "
@@ -49,7 +58,9 @@ def _next_batch(data_iterator):
     # Every rank reads its own copy of the batch (the dataset provider is distributed-aware),
     # so no TP/PP broadcast is needed; stages simply ignore the fields they do not use.
     batch = next(data_iterator)
-    _refuse_ids_past_vocabulary(batch)
+    # Where each row comes from (real datasets only): host values, never moved to the device.
+    sources = (batch.pop(SOURCE_DATASET, None), batch.pop(SOURCE_SAMPLE, None))
+    _refuse_ids_past_vocabulary(batch, sources)
     batch = {key: value.cuda(non_blocking=True) if torch.is_tensor(value) else value
              for key, value in batch.items()}
     # The ranks of a context-parallel group read the same sequences; each keeps the two of its

@@ -6,6 +6,7 @@ rank; cut less, the run trained until its samples reached the cut; a short .idx 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy
 import pytest
@@ -17,13 +18,13 @@ from _launch import TINY_MODEL
 MODEL = [arg for arg in TINY_MODEL if arg != "--mock-data"] + ["--train-iters", "2"]
 
 
-def written(prefix: str) -> None:
+def written(prefix: str, ids_below: int = 500) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     rng = numpy.random.default_rng(0)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
     for _ in range(32):
-        builder.add_item(torch.from_numpy(rng.integers(1, 500, int(rng.integers(20, 200)))))
+        builder.add_item(torch.from_numpy(rng.integers(1, ids_below, int(rng.integers(20, 200)))))
         builder.end_document()
     builder.finalize(prefix + ".idx")
 
@@ -95,5 +96,18 @@ def test_token_ids_past_the_vocabulary_stop_the_run_in_one_line(tmp_path):
     assert run.exit_codes == [1] and len(errors) == 1, run.log[-3000:]
     assert f"--data-path: token id " in errors[0] and "past the model's vocabulary (128 " \
         "embedding rows" in errors[0] and "iteration 1 " in errors[0], errors[0]
+    # the row's dataset and its sample index there (moe_launcher.data.SamplesNamed)
+    assert re.search(rf"token id \d+ \(sample \d+ of {re.escape(prefix)}\) in the micro-batch",
+                     errors[0]), errors[0]
     assert "Traceback" not in run.log and "IndexError" not in run.log
     assert "iteration        1/" not in run.log
+
+    # In a blend, the row's own dataset is named, not the blend's other one.
+    fits = str(tmp_path / "fits_text_document")
+    written(fits, ids_below=64)
+    run = launch(1, [*model, "--vocab-size", "64", "--data-path", "0.5", fits, "0.5", prefix,
+                     "--split", "100,0,0"])
+    errors = [line for line in run.log.splitlines() if "pretrain_moe: error:" in line]
+    assert run.exit_codes == [1] and len(errors) == 1, run.log[-3000:]
+    assert re.search(rf"\(sample \d+ of {re.escape(prefix)}\)", errors[0]), errors[0]
+
