@@ -84,6 +84,12 @@ _REQUIRED_ARGS = {
     "moe_router_enable_expert_bias": False, "moe_router_num_groups": None,
     "window_size": None, "qk_l2_norm": False, "hybrid_layer_pattern": None,
     "experimental_attention_variant": None,
+    # Each changes the forward where it differs from megatron-core 0.19.2's default.
+    "apply_residual_connection_post_layernorm": False, "softmax_type": "vanilla",
+    "attention_output_gate": False, "quick_geglu": False, "moe_latent_size": None,
+    "moe_apply_probs_on_input": False, "moe_shared_expert_gate": False,
+    "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
+    "moe_expert_capacity_factor": None,
 }
 
 
@@ -102,8 +108,9 @@ def check_exportable(args) -> None:
         if value != wanted:
             raise ConvertError(f"the checkpoint's {name}={value!r} has no Hugging Face mapping "
                                f"here (needs {wanted!r})")
-    freq = args.moe_layer_freq
-    if not args.num_experts or (freq != 1 and any(layer != 1 for layer in freq)):
+    freq = args.moe_layer_freq  # 1, another integer (every N-th layer MoE), or a list per layer
+    every_layer_moe = freq == 1 or (isinstance(freq, (list, tuple)) and all(l == 1 for l in freq))
+    if not args.num_experts or not every_layer_moe:
         raise ConvertError(f"the checkpoint's num_experts={args.num_experts!r}, moe_layer_freq="
                            f"{freq!r}: only models whose every layer is MoE map to a family yet")
     if _single(args.moe_router_load_balancing_type, "moe_router_load_balancing_type") not in (

@@ -10,7 +10,8 @@ from .architecture import hf_config_kwargs
 from .families import family_of_args
 from .hf_files import ShardWriter, copy_tokenizer
 from .staging import check_target, staged_folder
-from .tensor_map import rules, split
+from .errors import ConvertError
+from .tensor_map import rules, split, unmapped
 
 
 def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str | None,
@@ -29,6 +30,14 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     model = megatron_side.build(model_config)
     megatron_side.load_into(model, path)
     params = model.state_dict()
+    if dropped := unmapped(params, family, config):
+        raise ConvertError(f"the checkpoint's {', '.join(dropped[:3])}"
+                           f"{f' (and {len(dropped) - 3} more)' if len(dropped) > 3 else ''} map "
+                           f"to no tensor of {family.architecture}: the export would drop them")
+    # The family is judged from the args (an OLMoE-recipe run computes Qwen3-MoE's forward).
+    print(f"convert: export-hf: {family.architecture}, the Hugging Face model whose forward the "
+          f"checkpoint's args compute ({', '.join(f'{k}={v}' for k, v in family.marks.items())})",
+          flush=True)
     with staged_folder(out_dir) as staging:
         if tokenizer:
             copy_tokenizer(tokenizer, staging)

@@ -20,7 +20,7 @@ from .errors import ConvertError
 from .families import Family, family_of_architecture
 from .hf_files import HFTensors, read_config_json
 from .staging import check_target, staged_folder
-from .tensor_map import fuse, hf_shapes, rules
+from .tensor_map import fuse, hf_shapes, rules, unmapped
 
 FLAGS_FILE = "model_flags.txt"
 
@@ -49,7 +49,6 @@ def _check_tensor(name: str, source: torch.Tensor, shape: tuple[int, ...],
 def _fill(model, family: Family, config, tensors: HFTensors) -> None:
     params = model.state_dict()
     padded_vocab = model.embedding.word_embeddings.weight.shape[0]
-    filled = set()
     with torch.no_grad():
         for rule in rules(family, config):
             target = params[rule.megatron]
@@ -58,10 +57,8 @@ def _fill(model, family: Family, config, tensors: HFTensors) -> None:
             for name, source, shape in zip(rule.hf, sources, shapes):
                 _check_tensor(name, source, shape, target.dtype)
             target.copy_(fuse(rule, sources, config, padded_vocab))
-            filled.add(rule.megatron)
     tensors.check_all_read()
-    unfilled = [name for name in params if name not in filled and not name.endswith("_extra_state")]
-    if unfilled:
+    if unfilled := unmapped(params, family, config):
         raise ConvertError(f"the mapping leaves megatron parameters unset: {', '.join(unfilled[:3])}")
 
 

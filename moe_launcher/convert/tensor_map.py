@@ -111,3 +111,11 @@ def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
             [per_group * dim, dim, dim], dim=1)
         parts = [t.reshape(-1, hidden) for t in (q, k, v)]
     return [part.detach().clone().contiguous() for part in parts]
+
+
+def unmapped(names, family: Family, config) -> list[str]:
+    """The megatron state-dict entries among `names` that no rule maps to a Hugging Face
+    tensor (Transformer Engine's `_extra_state` entries hold no weights)."""
+    mapped = {rule.megatron for rule in rules(family, config)}
+    return [name for name in names if name not in mapped and not name.endswith("_extra_state")]
+

@@ -203,8 +203,12 @@ def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     vocab = {f"t{i}": i for i in range(VOCAB)}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
                             unk_token="t0").save_pretrained(tmp_path / "tok")
-    convert("export-hf", ckpt, tmp_path / "out", "--tokenizer", tmp_path / "tok")
+    run = convert("export-hf", ckpt, tmp_path / "out", "--tokenizer", tmp_path / "tok")
     assert AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("t7") == 7
+    # the family, judged from the checkpoint's args, is said
+    assert "convert: export-hf: MixtralForCausalLM, the Hugging Face model whose forward the " \
+           "checkpoint's args compute (qk_layernorm=False, moe_router_pre_softmax=False)" \
+           in run.stdout, run.stdout
 
 
 def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
@@ -268,7 +272,17 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
     ((), ("--moe-layer-freq", "[0,1]"), "moe_layer_freq"),
     (("--swiglu",), (), "swiglu"),
     (("--qk-layernorm",), (), "no Hugging Face family"),  # pre-softmax without qk norm
-])
+    ((), ("--moe-layer-freq", "2"), "moe_layer_freq=2"),  # an integer: was a TypeError
+    # flags that change the forward, which no family's HF model computes
+    ((), ("--apply-residual-connection-post-layernorm",), "apply_residual_connection_post"),
+    ((), ("--softmax-type", "learnable"), "softmax_type='learnable'"),
+    ((), ("--attention-output-gate",), "attention_output_gate=True"),
+    (("--swiglu",), ("--quick-geglu",), "swiglu=False"),  # (quick_geglu: the check after it)
+    ((), ("--glu-linear-offset", "1.0", "--no-bias-swiglu-fusion"), "glu_linear_offset=1.0"),
+    ((), ("--activation-func-clamp-value", "7.0"), "activation_func_clamp_value=7.0"),
+    ((), ("--moe-expert-capacity-factor", "1.0"), "moe_expert_capacity_factor=1.0"),
+    ((), ("--moe-router-topk", "1", "--moe-apply-probs-on-input"), "moe_apply_probs_on_input"),
+])  # (moe_latent_size: megatron's parser wants Transformer Engine for it)
 def test_export_refuses_models_no_family_maps(remove, add, named, family_conversions,
                                               monkeypatch):
     """Args as megatron's parser and validation make them for the imported flags, changed."""
@@ -283,6 +297,20 @@ def test_export_refuses_models_no_family_maps(remove, add, named, family_convers
     args, _ = megatron_side.args_of_flags([*flags, *add], SEQ)
     with pytest.raises(ConvertError, match=named):
         hf_config_kwargs(family_of_args(args), args, "float32")
+
+
+def test_parameters_no_rule_maps_are_named():
+    """What export refuses (and import): a megatron parameter no rule writes to Hugging Face
+    (here a QKV bias a family without attention bias has no tensor for); TE's _extra_state
+    holds no weights."""
+    from moe_launcher.convert.families import FAMILIES
+    from moe_launcher.convert.tensor_map import rules, unmapped
+
+    family, config = FAMILIES["Qwen3MoeForCausalLM"], _qwen3_moe()
+    names = [rule.megatron for rule in rules(family, config)]
+    extra = ["decoder.layers.0.self_attention.linear_qkv.bias",
+             "decoder.layers.0.self_attention.linear_qkv._extra_state"]
+    assert unmapped([*names, *extra], family, config) == extra[:1]
 
 
 # ---- refusals: one line, exit 2, nothing left behind ----------------------------------------
