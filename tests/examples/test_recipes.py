@@ -435,9 +435,12 @@ PUBLISHED = Path(__file__).parent / "published_configs"
                                                ("mixtral_8x7b_pp", "mixtral_8x7b")])
 def test_recipe_flags_are_what_import_hf_derives_from_the_published_config(
         recipe, published, tmp_path):
-    """The recipe's megatron args equal those of the recipe followed by the flags import-hf
-    derives from the published config.json (argparse: the later flag wins), so no derived flag
-    changes anything the recipe builds."""
+    """Both ways. The recipe's megatron args equal those of the recipe followed by the flags
+    import-hf derives from the published config.json (argparse: the later flag wins), so no
+    derived flag changes anything the recipe builds; and they equal those of the derived flags
+    in place of the recipe's MODEL_ARGS (keeping its --seq-length, a training choice config.json
+    does not state), so no switch of the recipe's (e.g. --moe-router-pre-softmax, shared
+    experts, expert bias) is missing from what the published model computes."""
     import json
 
     from moe_launcher.convert.architecture import megatron_flags
@@ -454,6 +457,13 @@ def test_recipe_flags_are_what_import_hf_derives_from_the_published_config(
     differ = {name: (as_recipe.get(name), value) for name, value in with_derived.items()
               if as_recipe.get(name) != value}
     assert not differ, f"{recipe} (recipe, import-hf of {published}.json): {differ}"
+    model = recipe_array(recipe, "MODEL_ARGS")
+    assert flags[:len(model)] == model  # train.sh puts MODEL_ARGS first
+    instead = [*derived, "--seq-length", str(as_recipe["seq_length"]), *flags[len(model):]]
+    derived_only = vars(plan.parse_megatron_flags(instead, world))
+    differ = {name: (as_recipe.get(name), value) for name, value in derived_only.items()
+              if as_recipe.get(name) != value}
+    assert not differ, f"{recipe} (recipe, import-hf of {published}.json in its place): {differ}"
 
 
 def _query_groups(args) -> int:
