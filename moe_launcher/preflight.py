@@ -444,28 +444,6 @@ def check_router_top_k(args) -> None:
                              f"--moe-router-group-topk or lower --moe-router-topk to {reachable}")
 
 
-@preflight_check("megatron-fsdp-fresh-optimizer")
-def check_megatron_fsdp_fresh_optimizer(args) -> None:
-    # Loading weights without their optimizer state (--no-load-optim, --finetune), megatron
-    # rebuilds bf16/fp16 main params from the model (reload_model_params), which Megatron-FSDP
-    # in 0.19.2 does not implement: NotImplementedError on every rank, after the load.
-    fresh_optimizer = args.no_load_optim or args.finetune
-    if not (args.use_megatron_fsdp and (args.bf16 or args.fp16) and args.load and fresh_optimizer):
-        return
-    has_checkpoint = args.ckpt_step is not None or os.path.exists(
-        os.path.join(args.load, "latest_checkpointed_iteration.txt"))
-    if not has_checkpoint:  # nothing to load: megatron starts fresh and never reloads
-        return
-    flag = "--finetune" if args.finetune else "--no-load-optim"
-    precision = "--bf16" if args.bf16 else "--fp16"
-    raise PreflightError(flag, f"{flag} with --use-megatron-fsdp and {precision}: "
-                         "megatron-core rebuilds the main parameters from the loaded weights, "
-                         "which Megatron-FSDP does not implement (it fails on every rank after "
-                         f"the load); fix: load the optimizer state too (drop {flag}), or "
-                         "convert the checkpoint to torch_dist and fine-tune without "
-                         "--use-megatron-fsdp")
-
-
 @preflight_check("moe-expert-parallel-overlap")
 def check_moe_expert_parallel_overlap(args) -> None:
     if args.overlap_moe_expert_parallel_comm:

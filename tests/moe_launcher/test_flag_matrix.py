@@ -144,12 +144,6 @@ REFUSED = {
             "--tokenizer-model", "tokenizer.model"], "--tokenizer-type"),
     "transformer-engine-impl-without-te": (1, [*BASE, "--transformer-impl",
                                                "transformer_engine"], "--transformer-impl"),
-    # megatron-core 0.19.2's reload_model_params is not implemented for Megatron-FSDP
-    "megatron-fsdp-finetune-bf16": (1, [*BASE, "--use-megatron-fsdp", "--ckpt-format",
-                                        "fsdp_dtensor", "--use-distributed-optimizer",
-                                        "--save", "{save}", "--save-interval", "1",
-                                        "--load", "{save}", "--ckpt-step", "1", "--finetune"],
-                                    "--finetune"),
     # HybridModel: `|` segments that the pipeline size does not divide (megatron's check)
     "hybrid-segments-not-divisible-by-pp": (
         2, [*replaced(BASE, "--num-layers", "6"), "--hybrid-layer-pattern", "*E|*E|*E",
