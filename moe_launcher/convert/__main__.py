@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("out_dir")
     exp.add_argument("--iteration", type=int, help="default: the tracker's iteration")
     exp.add_argument("--tokenizer", help="a folder whose tokenizer files are copied")
+    exp.add_argument("--config-from", help="the source model's folder: its config.json's token "
+                                           "ids and its generation_config.json (checked to be "
+                                           "this model's config)")
     exp.add_argument("--max-shard-size", type=shard_bytes, default="5GB",
                      help="largest safetensors shard (default 5GB)")
     return top
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             from .export_hf import export_hf
 
             export_hf(options.ckpt_dir, options.out_dir, options.iteration, options.tokenizer,
-                      options.max_shard_size)
+                      options.max_shard_size, options.config_from)
     except ConvertError as error:
         print(error.line(), file=sys.stderr, flush=True)
         return EXIT_STATUS

@@ -1,21 +1,51 @@
 """export-hf: a launcher torch_dist checkpoint (any layout) as a Hugging Face folder that
 `AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in the
-checkpoint, sharded safetensors with their index, the tokenizer's files with --tokenizer.
+checkpoint, sharded safetensors with their index, the tokenizer's files with --tokenizer, and
+with --config-from the source model's special token ids and generation_config.json (which no
+checkpoint holds), once its config.json is checked to describe the same model.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from . import megatron_side
 from .architecture import hf_config_kwargs
 from .families import family_of_args
-from .hf_files import ShardWriter, copy_tokenizer
+from .hf_files import ShardWriter, copy_tokenizer, read_config_json
 from .staging import check_target, staged_folder
 from .errors import ConvertError
 from .tensor_map import rules, split, unmapped
 
 
+# What a checkpoint does not hold and --config-from supplies: the special token ids (and the
+# folder's generation_config.json, copied).
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Derived keys that are training settings, not the model: --config-from may differ there.
+_TRAINING_KEYS = {"dtype", "attention_dropout", "initializer_range", "router_aux_loss_coef"}
+
+
+def _source_config(config_from: str, family, derived: dict) -> dict:
+    """config_from's config.json, once it describes the checkpoint's model: its architecture
+    and every derived key but the training settings equal."""
+    source = read_config_json(config_from)
+    if source.get("architectures") != [family.architecture]:
+        raise ConvertError(f"--config-from {config_from} is a {source.get('architectures')} "
+                           f"config, the checkpoint a {family.architecture}")
+    import transformers
+
+    known = getattr(transformers, family.config_class)(**source).to_dict()
+    for key, value in derived.items():
+        # (None: a key the config leaves to its modelling code, e.g. Mixtral's head_dim)
+        if key not in _TRAINING_KEYS and known.get(key) is not None and known[key] != value:
+            raise ConvertError(f"--config-from {config_from} sets {key}={known[key]!r}, but the "
+                               f"checkpoint's model has {value!r}: it is another model's config")
+    return source
+
+
 def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str | None,
-              max_shard_bytes: int) -> None:
+              max_shard_bytes: int, config_from: str | None = None) -> None:
     import transformers
 
     check_target(out_dir)
@@ -26,7 +56,14 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     family = family_of_args(args)
     model_config = megatron_side.world_one_config(args)
     dtype = str(model_config.params_dtype).removeprefix("torch.")
-    config = getattr(transformers, family.config_class)(**hf_config_kwargs(family, args, dtype))
+    derived = hf_config_kwargs(family, args, dtype)
+    source = _source_config(config_from, family, derived) if config_from else {}
+    config = getattr(transformers, family.config_class)(
+        **derived, **{key: source[key] for key in TOKEN_IDS if key in source})
+    if not config_from:
+        print(f"convert: export-hf: {', '.join(f'{key}={getattr(config, key, None)}' for key in TOKEN_IDS)}"
+              f" are {family.config_class}'s defaults; --config-from the source model's folder "
+              f"keeps its own (and its generation_config.json)", flush=True)
     model = megatron_side.build(model_config)
     megatron_side.load_into(model, path)
     params = model.state_dict()
@@ -47,3 +84,6 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
                 writer.add(name, tensor)
         writer.finish()
         config.save_pretrained(staging)
+        generation = os.path.join(config_from or "", "generation_config.json")
+        if config_from and os.path.isfile(generation):
+            shutil.copy2(generation, staging)

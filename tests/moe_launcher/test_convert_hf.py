@@ -209,6 +209,34 @@ def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     assert "convert: export-hf: MixtralForCausalLM, the Hugging Face model whose forward the " \
            "checkpoint's args compute (qk_layernorm=False, moe_router_pre_softmax=False)" \
            in run.stdout, run.stdout
+    # without --config-from, a line says which token ids are the class's defaults
+    assert "are MixtralConfig's defaults; --config-from the source model's folder" in run.stdout
+
+
+def test_export_keeps_the_source_models_token_ids_and_generation_config(family_conversions,
+                                                                        tmp_path, capsys):
+    """--config-from: the source folder's bos/eos/pad ids and generation_config.json, which the
+    checkpoint does not hold (before, the class defaults were written without a word); a
+    config of another model is refused before anything is written."""
+    from transformers import AutoConfig, GenerationConfig
+
+    _, hf_dir, ckpt, _ = family_conversions("mixtral")
+    source = shutil.copytree(hf_dir, tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    ids = {"bos_token_id": 3, "eos_token_id": 4, "pad_token_id": 5}
+    (source / "config.json").write_text(json.dumps({**config, **ids}))
+    GenerationConfig(bos_token_id=3, eos_token_id=[4, 6], do_sample=True,
+                     temperature=0.7).save_pretrained(source)
+    convert("export-hf", ckpt, tmp_path / "out", "--config-from", source)
+    exported = AutoConfig.from_pretrained(tmp_path / "out")
+    assert {key: getattr(exported, key) for key in ids} == ids
+    generation = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (generation.eos_token_id, generation.temperature) == ([4, 6], 0.7)
+    other = shutil.copytree(source, tmp_path / "other")
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    (tmp_path / "refused").mkdir()
+    line = refused(capsys, tmp_path / "refused", "export-hf", ckpt, "--config-from", other)
+    assert "sets num_hidden_layers=3, but the checkpoint's model has 2" in line, line
 
 
 def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
