@@ -130,7 +130,35 @@ def build_megatron_tokenizer(args: argparse.Namespace) -> None:
     from megatron.training.global_vars import rebuild_tokenizer
 
     with megatron_refusals():
-        rebuild_tokenizer(args)
+        tokenizer = rebuild_tokenizer(args)
+    _model_rows_from_vocab_size(args, tokenizer)
+
+
+def _model_rows_from_vocab_size(args: argparse.Namespace, tokenizer) -> None:
+    """A Hugging Face tokenizer with --vocab-size: the model gets --vocab-size's rows (padded),
+    as an imported model's embedding has them (Qwen3: 151,936 rows for 151,669 tokens), where
+    megatron would size it from the tokenizer and ignore the flag (its export then names a
+    vocabulary its rows do not have). A --vocab-size below the tokenizer's is refused: its
+    last ids would have no row."""
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.vocab_size:
+        return
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+    tokens = tokenizer.vocab_size
+    if args.vocab_size < tokens:
+        raise PreflightError("--vocab-size",
+                             f"--vocab-size {args.vocab_size} is below the {tokens} tokens of "
+                             f"--tokenizer-model {args.tokenizer_model}: its ids from "
+                             f"{args.vocab_size} up would have no embedding row; fix: drop "
+                             f"--vocab-size (the tokenizer's size, padded) or pass at least "
+                             f"{tokens}")
+    from_tokenizer = args.padded_vocab_size
+    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args,
+                                                     logging_enabled=False)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[pretrain_moe] model vocabulary: --vocab-size {args.vocab_size} "
+              f"({args.padded_vocab_size} rows, padded) for the tokenizer's {tokens} tokens "
+              f"(megatron alone would give the model {from_tokenizer})", flush=True)
 
 
 def set_megatron_globals(args: argparse.Namespace) -> None:

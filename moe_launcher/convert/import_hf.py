@@ -3,7 +3,8 @@ layout (`OUT_DIR/release`, the tracker naming it), plus `OUT_DIR/model_flags.txt
 Megatron-LM flags of the architecture.
 
 Everything that can be refused is refused before the output folder is created: the family,
-the config keys, every shard's header, and each HF tensor as it is read (once, straight into the
+the config keys, a tokenizer in the folder with more tokens than config.json's vocab_size,
+every shard's header, and each HF tensor as it is read (once, straight into the
 megatron parameter it belongs to): its shape against the one config.json implies, its dtype, and
 NaN or Inf in it.
 """
@@ -18,7 +19,7 @@ from . import megatron_side
 from .architecture import megatron_flags
 from .errors import ConvertError
 from .families import Family, family_of_architecture
-from .hf_files import HFTensors, read_config_json
+from .hf_files import TOKENIZER_FILES, HFTensors, read_config_json
 from .staging import check_target, staged_folder
 from .tensor_map import fuse, hf_shapes, rules, unmapped
 
@@ -30,6 +31,25 @@ def hf_config(family: Family, hf_dir: str):
     import transformers
 
     return getattr(transformers, family.config_class).from_pretrained(hf_dir)
+
+
+def check_tokenizer_fits(hf_dir: str, config) -> None:
+    """Where the folder holds a tokenizer (loaded as training loads it: megatron's
+    HuggingFaceTokenizer), its ids must all have a row of config.json's vocab_size."""
+    if not any(os.path.isfile(os.path.join(hf_dir, name)) for name in TOKENIZER_FILES):
+        return
+    from moe_launcher.prepare_data.errors import PrepareError
+    from moe_launcher.prepare_data.tokenizer import load_tokenizer
+
+    try:
+        tokens = load_tokenizer(hf_dir).vocab_size
+    except PrepareError as error:
+        raise ConvertError(str(error)) from None
+    if tokens > config.vocab_size:
+        raise ConvertError(f"the tokenizer in {hf_dir} has {tokens} tokens, but config.json's "
+                           f"vocab_size is {config.vocab_size}: ids from {config.vocab_size} up "
+                           "would have no embedding row; fix: the folder's tokenizer and "
+                           "config.json must belong to the same model")
 
 
 def _check_tensor(name: str, source: torch.Tensor, shape: tuple[int, ...],
@@ -66,6 +86,7 @@ def import_hf(hf_dir: str, out_dir: str) -> None:
     check_target(out_dir)
     family = family_of_architecture(read_config_json(hf_dir).get("architectures"))
     config = hf_config(family, hf_dir)
+    check_tokenizer_fits(hf_dir, config)
     flags = megatron_flags(family, config)
     tensors = HFTensors(hf_dir)
     megatron_side.start()

@@ -196,13 +196,10 @@ def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
 
 
 def test_export_copies_the_tokenizer(family_conversions, tmp_path):
-    from tokenizers import Tokenizer, models
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
     _, _, ckpt, _ = family_conversions("mixtral")
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                            unk_token="t0").save_pretrained(tmp_path / "tok")
+    _word_tokenizer(tmp_path / "tok", VOCAB)
     run = convert("export-hf", ckpt, tmp_path / "out", "--tokenizer", tmp_path / "tok")
     assert AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("t7") == 7
     # the family, judged from the checkpoint's args, is said
@@ -390,6 +387,32 @@ def test_import_refuses_what_megatron_would_build_otherwise(changes, named, qwen
                                                             capsys):
     folder = _with_config(qwen_dir, tmp_path / "hf", **changes)
     assert named in refused(capsys, tmp_path, "import-hf", folder)
+
+
+def _word_tokenizer(folder: Path, tokens: int) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(tokens)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                            unk_token="t0").save_pretrained(folder)
+
+
+def test_import_refuses_a_tokenizer_larger_than_the_vocabulary(qwen_dir, tmp_path, capsys):
+    """Issue 40 item 3: a folder whose tokenizer has more ids than config.json's vocab_size
+    rows; one that fits passes (loaded as training loads it)."""
+    from moe_launcher.convert.families import FAMILIES
+    from moe_launcher.convert.import_hf import check_tokenizer_fits, hf_config
+
+    family = FAMILIES["Qwen3MoeForCausalLM"]
+    source = shutil.copytree(qwen_dir, tmp_path / "source")
+    _word_tokenizer(source, VOCAB - 10)
+    check_tokenizer_fits(str(source), hf_config(family, str(source)))
+    _word_tokenizer(source, VOCAB + 50)
+    (tmp_path / "refused").mkdir()
+    line = refused(capsys, tmp_path / "refused", "import-hf", source)
+    assert (f"the tokenizer in {source} has {VOCAB + 50} tokens, but config.json's vocab_size "
+            f"is {VOCAB}") in line, line
 
 
 def test_import_refuses_mixtral_sliding_window(tmp_path, capsys):

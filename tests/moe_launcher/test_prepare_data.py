@@ -481,3 +481,39 @@ def test_records_judged_against_the_run(corpus, prepared, tmp_path):
     refusal, _ = dataset_record.judge([("--data-path", damaged)], tokenizer,
                                       "HuggingFaceTokenizer", largest + 1, environ={})
     assert f"{damaged}{dataset_record.SUFFIX} cannot be read" in refusal, refusal
+
+
+def test_vocab_size_sizes_the_model_for_a_hugging_face_tokenizer(corpus, prepared, monkeypatch,
+                                                                 capsys):
+    """An imported model's rows (--vocab-size, as import-hf's model_flags.txt has it) with its
+    own tokenizer: the model gets --vocab-size's rows, padded, where megatron sizes it from the
+    tokenizer and ignores the flag (issue 40 item 3); one below the tokenizer's size is refused
+    before any work, naming both."""
+    import argparse
+
+    from _judge import judge
+    from moe_launcher.megatron_validation import _model_rows_from_vocab_size
+    from moe_launcher.prepare_data.tokenizer import load_tokenizer
+    from tokenizers import Tokenizer
+
+    tokens = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json")).get_vocab_size()
+    args = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", vocab_size=1000,
+                              tokenizer_model=str(corpus.tokenizer), padded_vocab_size=384,
+                              make_vocab_size_divisible_by=128, tensor_model_parallel_size=1,
+                              rank=0)
+    monkeypatch.setenv("RANK", "0")
+    _model_rows_from_vocab_size(args, load_tokenizer(str(corpus.tokenizer)))
+    assert args.padded_vocab_size == 1024  # 1000, padded to a multiple of 128
+    assert (f"--vocab-size 1000 (1024 rows, padded) for the tokenizer's {tokens} tokens "
+            f"(megatron alone would give the model 384)") in capsys.readouterr().out
+
+    model = _without(TINY_MODEL, {"--mock-data"}, {"--tokenizer-type", "--vocab-size"})
+    argv = [*model, "--data-path", prepared["one"] + "_text_document",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(corpus.tokenizer),
+            "--train-iters", "2"]
+    assert judge(1, [*argv, "--vocab-size", str(tokens)], monkeypatch) is None
+    line = judge(1, [*argv, "--vocab-size", str(tokens - 1)], monkeypatch)
+    assert line == (f"pretrain_moe: error: --vocab-size {tokens - 1} is below the {tokens} "
+                    f"tokens of --tokenizer-model {corpus.tokenizer}: its ids from {tokens - 1} "
+                    f"up would have no embedding row; fix: drop --vocab-size (the tokenizer's "
+                    f"size, padded) or pass at least {tokens}"), line
