@@ -249,41 +249,61 @@ def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
     builder.finalize(prefix + ".idx")
 
 
+def _first_loss(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bool = False,
+                env: dict | None = None) -> float:
+    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on 2 ranks at `layout`: the loss
+    TensorBoard has for iteration 1 (one step at lr 0; with `save`, saved into root/trained)."""
+    from _launch import launch, tensorboard_scalars
+
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    saving = ["--save", str(root / "trained"), "--save-interval", "1"] if save else []
+    launch(2, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
+               "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
+               "--tokenizer-type", "NullTokenizer", "--data-path", corpus, "--split", "100,0,0",
+               "--data-cache-path", str(root / "cache"), "--train-iters", "1", "--lr", "0.0",
+               "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+               "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
+               "--ckpt-format", "torch_dist"], env=env).check()
+    return tensorboard_scalars(root / "tb", "lm loss")[1]
+
+
 def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conversions,
                                                                    tmp_path):
     """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
-    sequence parallelism and experts EP2: the first logged loss is transformers' loss on the
-    batch (over megatron's padded vocabulary, whose zero rows give logit 0); after one step at
-    lr 0 the launcher's own TP2/EP2 checkpoint, optimizer state and all, exports bit-identical."""
-    from _launch import launch, tensorboard_scalars
+    sequence parallelism and experts EP2, and at TP1 x EP2: the first logged loss is
+    transformers' own loss on the batch (loss-over-real-vocabulary; without it megatron's
+    loss takes the softmax over its 256 padded rows too, whose zero rows give logits 0: the
+    loss of transformers' logits padded with zeros). After one step at lr 0 the launcher's own
+    TP2/EP2 checkpoint, optimizer state and all, exports bit-identical."""
     from transformers import AutoModelForCausalLM
 
     family, hf_dir, ckpt, _ = family_conversions("mixtral")
     tokens = torch.randint(0, VOCAB - 1, (SEQ,), generator=torch.Generator().manual_seed(2))
     prefix = str(tmp_path / "corpus_text_document")
     _periodic_corpus(prefix, tokens)
-    flags = (ckpt / "model_flags.txt").read_text().split()
-    launch(2, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
-               "--global-batch-size", "2", "--tensor-model-parallel-size", "2",
-               "--sequence-parallel", "--expert-model-parallel-size", "2",
-               "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall",
-               "--tokenizer-type", "NullTokenizer", "--data-path", prefix, "--split", "100,0,0",
-               "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "1", "--lr", "0.0",
-               "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-               "--tensorboard-dir", str(tmp_path / "tb"), "--load", str(ckpt),
-               "--save", str(tmp_path / "trained"), "--save-interval", "1",
-               "--ckpt-format", "torch_dist"]).check()
-    logged = tensorboard_scalars(tmp_path / "tb", "lm loss")[1]
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    logged = _first_loss(ckpt, prefix, tmp_path, tp2, save=True)
+    at_tp1 = _first_loss(ckpt, prefix, tmp_path / "tp1",  # DP2: a micro-batch per rank
+                         ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"])
+    unpatched = _first_loss(ckpt, prefix, tmp_path / "unpatched", tp2,
+                            env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
             tokens[None]).logits[0]
-    padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     labels = torch.cat([tokens[1:], tokens[:1]])
-    expected = torch.nn.functional.cross_entropy(padded, labels).item()
-    assert abs(logged - expected) < 1e-4 * expected, (
-        f"{family}: launcher's first loss {logged!r}, transformers' {expected!r}")
-    print(f"{family} at TP2/EP2: launcher's first loss {logged!r}, transformers' {expected!r}")
+    expected = torch.nn.functional.cross_entropy(logits, labels).item()
+    padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
+    with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
+    for loss in (logged, at_tp1):
+        assert abs(loss - expected) < 2e-4 * expected, (
+            f"{family}: launcher's first loss {loss!r}, transformers' {expected!r}")
+    assert abs(unpatched - with_padding) < 2e-4 * with_padding, (unpatched, with_padding)
+    assert with_padding - expected > 1e-2  # the padded rows' share, far above the tolerance
+    print(f"{family}: first loss at TP2/EP2 {logged!r}, TP1/EP2 {at_tp1!r}, transformers' "
+          f"{expected!r}; unpatched {unpatched!r} (transformers' over 256 padded rows "
+          f"{with_padding!r})")
 
     convert("export-hf", tmp_path / "trained", tmp_path / "exported")
     before, after = _hf_tensors(hf_dir), _hf_tensors(tmp_path / "exported")
