@@ -36,20 +36,28 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def _make_folders(path: str) -> list[str]:
-    """Creates `path` and its missing parents; returns the folders made, deepest first."""
+def _make_folders(path: str, made: list[str]) -> None:
+    """Creates `path` and its missing parents, each folder made put first into `made` (deepest
+    first), also when a later one cannot be made."""
     missing = []
     while path and not os.path.isdir(path):
         missing.append(path)
         path = os.path.dirname(path)
-    made = []
     for folder in reversed(missing):
         try:
             os.mkdir(folder)
         except FileExistsError:  # made meanwhile by someone else: theirs
             continue
-        made.append(folder)
-    return made[::-1]
+        made.insert(0, folder)
+
+
+def _remove_empty(made: list[str]) -> None:
+    """Removes the folders `_make_folders` made, deepest first, while they are empty."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:  # no longer empty: something else writes there now
+            break
 
 
 def _sees(token: str, wait_s: float) -> bool:
@@ -75,24 +83,27 @@ def check_save_shared(save_dir: str, environ=os.environ) -> str | None:
     nodes = collectives.gather_objects(node_name())
     if len(set(nodes)) < 2:
         return None
-    name, made = None, []
+    name, made, unwritable = None, [], None
     if collectives.rank() == 0:
-        made = _make_folders(os.path.abspath(save_dir))
-        handle, path = tempfile.mkstemp(prefix=TOKEN_PREFIX, dir=save_dir)
-        os.close(handle)
-        name = os.path.basename(path)
+        try:
+            _make_folders(os.path.abspath(save_dir), made)
+            handle, path = tempfile.mkstemp(prefix=TOKEN_PREFIX, dir=save_dir)
+            os.close(handle)
+            name = os.path.basename(path)
+        except OSError as error:  # megatron's own save will report an unwritable --save
+            unwritable = str(error)
+            _remove_empty(made)
     # Every rank looks once rank 0 has written it, in --save as that rank resolves it.
-    name = collectives.gather_objects(name)[0]
+    name, unwritable = collectives.gather_objects((name, unwritable))[0]
+    if name is None:
+        return (f"not judged whether every node sees it: rank 0 could not write there "
+                f"({unwritable})" if collectives.rank() == 0 else None)
     token = os.path.join(save_dir, name)
     wait_s = float(environ.get(WAIT_ENV, DEFAULT_WAIT_S))
     seen = collectives.gather_objects(_sees(token, wait_s))
     if collectives.rank() == 0:
         os.unlink(token)
-        for folder in made:
-            try:
-                os.rmdir(folder)
-            except OSError:  # no longer empty: something else writes there now
-                break
+        _remove_empty(made)
     blind = sorted({node for node, saw in zip(nodes, seen) if not saw})
     if blind:
         raise PreflightError(
