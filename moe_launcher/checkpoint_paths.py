@@ -3,19 +3,21 @@ exists and is a checkpoint. megatron-core 0.19.2 trains from random weights, wit
 for a --load that is missing, a file, or a folder that holds files but no checkpoint (a typo
 naming a run's parent folder, or a data folder). An empty folder, and the run's own --save
 before its first checkpoint, start fresh, as megatron does. A --save that holds another run's
-committed checkpoint is refused to a run that does not continue it (save_continuity). Registered
-with `preflight_check` (imported by megatron_validation.checked_command_line).
+committed checkpoint is refused to a run that does not continue it (save_continuity); a
+torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only. Registered with
+`preflight_check` (imported by megatron_validation.checked_command_line).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
 from moe_launcher.checkpoint_files import save_continuity
-from moe_launcher.checkpoint_files.commit_protocol import TRACKER
+from moe_launcher.checkpoint_files.commit_protocol import TRACKER, iteration_dirname, read_tracker
 from moe_launcher.preflight import preflight_check
-from moe_launcher.runtime.refusals import PreflightError
+from moe_launcher.runtime.refusals import CheckpointLoadError, PreflightError
 
 
 
@@ -90,3 +92,41 @@ def check_save_continues(args) -> None:
     # same folder, no --finetune); megatron would let any other run write over it, silently.
     if line := save_continuity.refusal(save_continuity.save_use(args)):
         raise PreflightError("--save", line)
+
+
+def _loaded_iteration(args) -> str | None:
+    """The iteration folder --load would read (--ckpt-step's, else the tracker's); None where
+    there is none to judge (the load checks judge a missing or unparsable one)."""
+    if args.ckpt_step is not None:
+        name = iteration_dirname(args.ckpt_step)
+    else:
+        try:
+            name = read_tracker(args.load)
+        except CheckpointLoadError:
+            return None
+    path = os.path.join(args.load, name) if name else None
+    return path if path and os.path.isdir(path) else None
+
+
+@preflight_check("megatron-fsdp-loads-fsdp-dtensor")
+def check_megatron_fsdp_load_format(args) -> None:
+    # Megatron-FSDP loads fsdp_dtensor checkpoints only; megatron-core 0.19.2 reads a torch_dist
+    # one (import-hf's, a DDP run's) into it as if it were one and dies on every rank with
+    # KeyError: 'model'. megatron's metadata.json names a torch_dist checkpoint's backend.
+    if not (getattr(args, "use_megatron_fsdp", False) and args.load
+            and os.path.isdir(args.load)):
+        return
+    iteration = _loaded_iteration(args)
+    if iteration is None:
+        return
+    try:
+        with open(os.path.join(iteration, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError):
+        return  # no megatron metadata: an fsdp_dtensor checkpoint, or one the load checks judge
+    if backend == "torch_dist":
+        raise PreflightError("--load", f"--load {iteration} is a torch_dist checkpoint, but "
+                                       "--use-megatron-fsdp loads fsdp_dtensor checkpoints only "
+                                       "(megatron-core 0.19.2 fails on every rank with KeyError: "
+                                       "'model'); fix: train from it without --use-megatron-fsdp "
+                                       "(--use-distributed-optimizer, --ckpt-format torch_dist)")

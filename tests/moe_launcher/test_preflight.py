@@ -155,3 +155,30 @@ def test_every_rank_stops_and_one_rank_explains(tmp_path):
     assert 'pretrain_moe.py", line' not in run.log  # no traceback from the launcher itself
     assert not save.exists()
     assert time.monotonic() - started < 150
+
+
+def test_megatron_fsdp_refuses_a_torch_dist_load(tmp_path, monkeypatch):
+    """Megatron-FSDP loads fsdp_dtensor checkpoints only: a torch_dist one (import-hf's, a DDP
+    run's) died on every rank with KeyError: 'model' after the model was built (seen with an
+    import at EP2 x ETP2); its metadata.json says which it is. An fsdp_dtensor one (torch DCP's
+    .metadata, no metadata.json) passes."""
+    import json
+
+    fsdp_run = [*BASE, "--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
+                "fsdp_dtensor"]
+    for name, files in (("torch_dist", {"metadata.json": json.dumps(
+            {"sharded_backend": "torch_dist"})}), ("fsdp_dtensor", {".metadata": ""})):
+        iteration = tmp_path / name / "iter_0000002"
+        iteration.mkdir(parents=True)
+        for file, text in files.items():
+            (iteration / file).write_text(text)
+        (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("2")
+    line = judge(1, [*fsdp_run, "--load", str(tmp_path / "torch_dist")], monkeypatch)
+    assert line == (f"pretrain_moe: error: --load {tmp_path / 'torch_dist' / 'iter_0000002'} is "
+                    "a torch_dist checkpoint, but --use-megatron-fsdp loads fsdp_dtensor "
+                    "checkpoints only (megatron-core 0.19.2 fails on every rank with KeyError: "
+                    "'model'); fix: train from it without --use-megatron-fsdp "
+                    "(--use-distributed-optimizer, --ckpt-format torch_dist)"), line
+    assert judge(1, [*fsdp_run, "--load", str(tmp_path / "fsdp_dtensor")], monkeypatch) is None
+    assert judge(1, [*fsdp_run, "--load", str(tmp_path / "torch_dist"), "--ckpt-step", "7"],
+                 monkeypatch) is None  # no such iteration: the load checks judge it
