@@ -6,9 +6,10 @@ Upstream: megatron-core 0.19.2 `DistributedOptimizer._copy_model_params_to_main_
 tested on 0.19.2).
 
 megatron's load_checkpoint calls `optimizer.reload_model_params()` whenever it loads weights but
-no optimizer state in bf16/fp16: `--no-load-optim`, `--finetune`, and a `release` checkpoint
-(what import-hf writes). Under Megatron-FSDP every rank then fails after the load, so neither an
-imported model nor a fine-tune could start in the project's first layout.
+no optimizer state in bf16/fp16: `--no-load-optim`, `--finetune`, and a `release` checkpoint.
+Under Megatron-FSDP every rank then fails after the load, so no fine-tune could start in the
+project's first layout. (import-hf writes torch_dist, which Megatron-FSDP does not load: refused
+before work by the preflight check megatron-fsdp-loads-fsdp-dtensor.)
 
 The fix does what the optimizer step does the other way round (Megatron-FSDP's
 `copy_main_weights_to_model_weights`): for every parameter group with a main-weight buffer, each
@@ -104,7 +105,7 @@ register(Patch(
              "(NotImplementedError for Megatron-FSDP)",
     versions=">=0.19,<0.20",
     summary="Megatron-FSDP bf16/fp16: weights loaded without optimizer state (--no-load-optim, "
-            "--finetune, an import's release checkpoint) refresh the main weights, as the "
+            "--finetune, a release checkpoint) refresh the main weights, as the "
             "optimizer step does the other way",
     not_needed_because=_not_needed_because,
     apply=_apply,
