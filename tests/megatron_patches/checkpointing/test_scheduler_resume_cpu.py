@@ -68,3 +68,32 @@ def test_first_step_after_resume_uses_the_checkpoint_weight_decay(saved_style,
     resumed.step(1)  # the scheduler step after it switches to the checkpoint's schedule
     uninterrupted.step(1)
     assert got["weight_decay"] == expected["weight_decay"]
+
+
+@pytest.mark.slow
+def test_launched_resume_trains_as_the_uninterrupted_run_only_with_the_patch(tmp_path):
+    """The same through pretrain_moe.py: a run saved at iteration 2 with one weight-decay
+    schedule, resumed with --use-checkpoint-opt_param-scheduler from a command line that asks
+    for another. Patched, iterations 3-4 are the uninterrupted run's, bit for bit; with
+    MEGATRON_PATCHES_DISABLE=scheduler-resume-weight-decay the first step after the resume
+    decays with the command line's schedule and iteration 4 differs."""
+    from _launch import TINY_MODEL, launch, tensorboard_scalars
+
+    base = [*TINY_MODEL, "--ckpt-format", "torch_dist", "--train-iters", "4",
+            "--lr-decay-style", "cosine", "--lr-warmup-iters", "1"]
+    saved = ["--start-weight-decay", "0.01", "--end-weight-decay", "0.5",
+             "--weight-decay-incr-style", "linear"]
+    asked = ["--start-weight-decay", "0.0", "--end-weight-decay", "0.9",
+             "--weight-decay-incr-style", "cosine"]
+    launch(1, [*base, *saved, "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+               "--tensorboard-dir", str(tmp_path / "uninterrupted")]).check()
+    uninterrupted = tensorboard_scalars(tmp_path / "uninterrupted", "lm loss")
+    resumed = {}
+    for name, env in (("patched", {}), ("unpatched", {"MEGATRON_PATCHES_DISABLE": PATCH})):
+        launch(1, [*base, *asked, "--use-checkpoint-opt_param-scheduler", "--load",
+                   str(tmp_path / "ckpt"), "--ckpt-step", "2", "--tensorboard-dir",
+                   str(tmp_path / name)], env=env).check()
+        resumed[name] = tensorboard_scalars(tmp_path / name, "lm loss")
+    assert resumed["patched"] == {3: uninterrupted[3], 4: uninterrupted[4]}, resumed
+    assert resumed["unpatched"][3] == uninterrupted[3]  # the step before it is the same
+    assert resumed["unpatched"][4] != uninterrupted[4], resumed
