@@ -10,14 +10,14 @@ torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only. Registe
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
 from moe_launcher.checkpoint_files import save_continuity
-from moe_launcher.checkpoint_files.commit_protocol import TRACKER, iteration_dirname, read_tracker
+from moe_launcher.checkpoint_files.commit_protocol import TRACKER, loaded_iteration_dir
+from moe_launcher.checkpoint_files.metadata import saved_backend
 from moe_launcher.preflight import preflight_check
-from moe_launcher.runtime.refusals import CheckpointLoadError, PreflightError
+from moe_launcher.runtime.refusals import PreflightError
 
 
 
@@ -94,37 +94,16 @@ def check_save_continues(args) -> None:
         raise PreflightError("--save", line)
 
 
-def _loaded_iteration(args) -> str | None:
-    """The iteration folder --load would read (--ckpt-step's, else the tracker's); None where
-    there is none to judge (the load checks judge a missing or unparsable one)."""
-    if args.ckpt_step is not None:
-        name = iteration_dirname(args.ckpt_step)
-    else:
-        try:
-            name = read_tracker(args.load)
-        except CheckpointLoadError:
-            return None
-    path = os.path.join(args.load, name) if name else None
-    return path if path and os.path.isdir(path) else None
-
-
 @preflight_check("megatron-fsdp-loads-fsdp-dtensor")
 def check_megatron_fsdp_load_format(args) -> None:
     # Megatron-FSDP loads fsdp_dtensor checkpoints only; megatron-core 0.19.2 reads a torch_dist
     # one (import-hf's, a DDP run's) into it as if it were one and dies on every rank with
     # KeyError: 'model'. megatron's metadata.json names a torch_dist checkpoint's backend.
-    if not (getattr(args, "use_megatron_fsdp", False) and args.load
-            and os.path.isdir(args.load)):
+    iteration = loaded_iteration_dir(args.load, args.ckpt_step)
+    if not getattr(args, "use_megatron_fsdp", False) or iteration is None:
         return
-    iteration = _loaded_iteration(args)
-    if iteration is None:
-        return
-    try:
-        with open(os.path.join(iteration, "metadata.json")) as f:
-            backend = json.load(f).get("sharded_backend")
-    except (OSError, ValueError):
-        return  # no megatron metadata: an fsdp_dtensor checkpoint, or one the load checks judge
-    if backend == "torch_dist":
+    # (no megatron metadata.json: an fsdp_dtensor checkpoint, or one the load checks judge)
+    if saved_backend(iteration) == "torch_dist":
         raise PreflightError("--load", f"--load {iteration} is a torch_dist checkpoint, but "
                                        "--use-megatron-fsdp loads fsdp_dtensor checkpoints only "
                                        "(megatron-core 0.19.2 fails on every rank with KeyError: "

@@ -34,12 +34,12 @@ import os
 
 from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 from moe_launcher.checkpoint_files import torch_format
-from moe_launcher.checkpoint_files.commit_protocol import iteration_dirname, read_tracker
+from moe_launcher.checkpoint_files.commit_protocol import loaded_iteration_dir
 from moe_launcher.checkpoint_files.torch_format import UPSTREAM
 from moe_launcher.model import layer_layout
 from moe_launcher.model.param_shapes import ModelParams
 from moe_launcher.runtime import collectives
-from moe_launcher.runtime.refusals import CheckpointLoadError, PreflightError
+from moe_launcher.runtime.refusals import PreflightError
 
 
 def held_pieces(model_chunks) -> tuple:
@@ -59,25 +59,13 @@ def _torch_format(args) -> bool:
     return "torch" in (args.ckpt_format, getattr(args, "ckpt_convert_format", None))
 
 
-def _checkpoint_to_load(args) -> str | None:
-    """The iteration directory a load of --load would read (--ckpt-step or the tracker)."""
-    if not args.load or not os.path.isdir(args.load):
-        return None
-    step = getattr(args, "ckpt_step", None)
-    try:
-        dirname = iteration_dirname(step) if step else read_tracker(args.load)
-    except CheckpointLoadError:
-        return None  # checkpoint-load-integrity refuses it
-    directory = os.path.join(args.load, dirname) if dirname else None
-    return directory if directory and os.path.isdir(directory) else None
-
-
 def check_saved(args) -> None:
     """Refuses (PreflightError, on every rank) a --load of a torch-format checkpoint that a save
     at its layout left without pieces of every expert, judged by rank 0 from the arguments saved
     in it; megatron would read it whatever --ckpt-format says. A collective."""
     why = None
-    if collectives.rank() == 0 and (directory := _checkpoint_to_load(args)) is not None:
+    if collectives.rank() == 0 and (directory := loaded_iteration_dir(
+            args.load, getattr(args, "ckpt_step", None))) is not None:
         if torch_format.is_torch_format(directory):
             why = torch_format.lost_pieces(directory)
             why = why and f"--load {directory}: {why}"

@@ -108,6 +108,25 @@ def iteration_dirname(iteration: int, release: bool = False) -> str:
     return "release" if release else f"iter_{iteration:07d}"
 
 
+def loaded_dirname(load_dir: str, ckpt_step: int | None) -> str | None:
+    """The iteration folder's name a load of `load_dir` reads: --ckpt-step's, else the
+    tracker's (None without a tracker); CheckpointLoadError when the tracker does not parse."""
+    return iteration_dirname(ckpt_step) if ckpt_step else read_tracker(load_dir)
+
+
+def loaded_iteration_dir(load_dir: str | None, ckpt_step: int | None) -> str | None:
+    """The iteration folder a load of `load_dir` reads, where it exists; None where there is
+    none to judge (the load checks refuse a tracker that does not parse)."""
+    if not load_dir or not os.path.isdir(load_dir):
+        return None
+    try:
+        name = loaded_dirname(load_dir, ckpt_step)
+    except CheckpointLoadError:
+        return None
+    path = os.path.join(load_dir, name) if name else None
+    return path if path and os.path.isdir(path) else None
+
+
 def read_tracker(save_dir: str) -> str | None:
     """The tracker's iteration directory name; None without a tracker; CheckpointLoadError
     when it does not parse."""

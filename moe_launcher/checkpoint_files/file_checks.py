@@ -11,7 +11,7 @@ import sys
 
 from moe_launcher.checkpoint_files import reads as checkpoint_reads
 from moe_launcher.checkpoint_files import torch_format
-from moe_launcher.checkpoint_files.commit_protocol import TRACKER, iteration_dirname, read_tracker
+from moe_launcher.checkpoint_files.commit_protocol import TRACKER, loaded_dirname
 from moe_launcher.runtime.refusals import CheckpointLoadError
 
 
@@ -58,7 +58,7 @@ def load_problems(load_dir: str, ckpt_step: int | None, ckpt_format: str | None)
     """This rank's view of what is wrong with the checkpoint a load would read; [] when fine or
     when there is nothing to load (megatron then starts from scratch, as it always did)."""
     try:
-        dirname = iteration_dirname(ckpt_step) if ckpt_step else read_tracker(load_dir)
+        dirname = loaded_dirname(load_dir, ckpt_step)
     except CheckpointLoadError as exc:
         return [str(exc)]
     if dirname is None:

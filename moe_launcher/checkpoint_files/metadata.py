@@ -106,8 +106,7 @@ def _read(path: str, with_args: bool, with_payload: bool) -> CheckpointMetadata:
     if not isinstance(state, dict):
         raise UnreadableCheckpoint(f"{path}/.metadata holds no state_dict_metadata")
 
-    megatron_meta = _read_json(os.path.join(path, "metadata.json"))
-    fmt = (megatron_meta or {}).get("sharded_backend")
+    fmt = saved_backend(path)
     if fmt is None:
         # fsdp_dtensor checkpoints are written by torch.distributed.checkpoint.save directly:
         # no metadata.json, model tensors under `model.`.
@@ -118,6 +117,13 @@ def _read(path: str, with_args: bool, with_payload: bool) -> CheckpointMetadata:
     payload = sum(os.stat(os.path.join(path, f)).st_size
                   for f in os.listdir(path) if f.endswith(".distcp")) if with_payload else 0
     return CheckpointMetadata(path, fmt, tensors, args, payload)
+
+
+def saved_backend(iteration_dir: str) -> str | None:
+    """The `sharded_backend` megatron's metadata.json names ("torch_dist"); None without a
+    readable one (fsdp_dtensor and the torch format write none)."""
+    return (_read_json(os.path.join(iteration_dir, "metadata.json")) or {}).get(
+        "sharded_backend")
 
 
 def _read_json(path: str) -> dict | None:

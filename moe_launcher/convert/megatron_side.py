@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 import os
 import socket
 
@@ -162,12 +161,12 @@ def iteration_dir(ckpt_root: str, iteration: int | None) -> str:
 def check_format(path: str) -> None:
     """Refuses what is not a complete torch_dist checkpoint, from its files alone."""
     from moe_launcher.checkpoint_files.file_checks import file_problems
+    from moe_launcher.checkpoint_files.metadata import saved_backend
 
-    try:
-        with open(os.path.join(path, "metadata.json")) as f:
-            backend = json.load(f).get("sharded_backend")
-    except FileNotFoundError:
-        backend = "fsdp_dtensor" if os.path.isfile(os.path.join(path, ".metadata")) else None
+    backend = saved_backend(path)
+    if backend is None and not os.path.exists(os.path.join(path, "metadata.json")) and \
+            os.path.isfile(os.path.join(path, ".metadata")):
+        backend = "fsdp_dtensor"
     if backend == "fsdp_dtensor":
         raise ConvertError(f"{path} is an fsdp_dtensor checkpoint (torch DCP files without "
                            "megatron's metadata.json): export reads torch_dist only for now (load "
