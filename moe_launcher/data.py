@@ -10,6 +10,7 @@ from megatron.training import get_args, get_tokenizer, print_rank_0
 from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
 from moe_launcher import dataset_record
+from moe_launcher.runtime import collectives
 from moe_launcher.runtime.refusals import DataRefusal
 
 
@@ -79,9 +80,14 @@ class SamplesNamed(torch.utils.data.Dataset):
 
 def _check_records(args) -> None:
     """The datasets' prepare_data records against the tokenizer megatron built and the model's
-    vocabulary (moe_launcher/dataset_record.py), on every rank alike, before any is built."""
-    refusal, note = dataset_record.judge(datasets_read(args), get_tokenizer(),
-                                         args.tokenizer_type, args.padded_vocab_size)
+    vocabulary (moe_launcher/dataset_record.py), before any is built: rank 0 reads them (a blend
+    of many datasets on thousands of ranks would otherwise open every record on every rank),
+    every rank gets its verdict. megatron's dataset builder is collective too: every rank calls
+    this provider."""
+    verdict = (dataset_record.judge(datasets_read(args), get_tokenizer(), args.tokenizer_type,
+                                    args.padded_vocab_size)
+               if collectives.rank() == 0 else None)
+    refusal, note = collectives.gather_objects(verdict)[0]
     if refusal:
         raise DataRefusal(refusal, every_rank=True)
     if note:
