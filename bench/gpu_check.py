@@ -3,10 +3,14 @@
     bash bench/gpu_check.sh          # (it installs carried wheels if megatron-core is missing)
 
 Every launch is `python -m torch.distributed.run --standalone --nproc-per-node 1` in a fresh
-process (never forked from one where CUDA is initialised), with a timeout; a launch that runs
-past it is a FAIL naming its step, and the whole check stops starting launches when its budget
-($GPU_CHECK_SECONDS, default 480) is spent, so that it ends inside one 10-minute device command.
-The launches keep the PYTHONPATH they were given (the carried wheels in /tmp/site).
+process (never forked from one where CUDA is initialised). Each step has its own budget
+(STEP_SECONDS): a step starts only while the check's budget ($GPU_CHECK_SECONDS, default 330)
+still holds all of it, else it is NOT RUN saying so, so the check ends by then; a step whose
+launches run past its own budget FAILs, named. With the offline install, the whole check fits in
+6 minutes on the H200, half of a 15-minute device window. The launches keep the PYTHONPATH they
+were given (the prepared wheels) and share one inductor cache: megatron's fusions are
+torch.compile'd, they compile on the GPU in the first launch and load from the cache in later
+ones (on the CPU backend torch.compile runs eagerly); the environment step says which.
 
 Steps, in order:
 
@@ -77,11 +81,15 @@ GPU_RELATIVE_TOLERANCE = 1e-3
 # FlopCounterMode counts every matmul; the census formula leaves out norms, softmax and
 # activations (test_flops.py's tolerance).
 FLOP_COUNTER_TOLERANCE = 0.01
-TINY_LAUNCH_SECONDS = 150
-THROUGHPUT_LAUNCH_SECONDS = 240
-PYTEST_SECONDS = 300
-AUDIT_SECONDS = 120
-MINIMUM_LAUNCH_SECONDS = 30  # less left of the budget than this: later steps are not run
+# Each step's budget in seconds: its launches, audit and comparisons together. A tiny launch
+# takes ~15 s on 2 CPU cores (local-spec's two launches and audit 31 s); on a GPU add CUDA's
+# start and the first launch's compilation.
+STEP_SECONDS = {
+    "cpu-reference": 45, "flop-counter-cuda": 60, "local-spec": 100, "strict-device-nccl": 45,
+    "te-grouped-gemm": 120, "megatron-fsdp": 100, "throughput": 100, "fused-accumulation": 60,
+}
+CHECK_SECONDS = 330
+TE_IMPORT_SECONDS = 60
 
 DISTRIBUTED_OPTIMIZER = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist",
                          "--moe-token-dispatcher-type", "alltoall"]
@@ -149,16 +157,21 @@ class StepFailed(Exception):
 
 
 class Budget:
-    """The seconds the check may still spend: each launch gets at most what is left."""
+    """The check's seconds, and the running step's: a launch gets what is left of its step's."""
 
     def __init__(self, seconds: float):
+        self.seconds = seconds
         self.deadline = time.monotonic() + seconds
+        self.step_deadline = self.deadline
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def timeout(self, limit: float) -> float:
-        return max(1.0, min(limit, self.left()))
+    def start_step(self, seconds: float) -> None:
+        self.step_deadline = time.monotonic() + seconds
+
+    def timeout(self) -> float:
+        return max(1.0, self.step_deadline - time.monotonic())
 
 
 @dataclasses.dataclass
@@ -173,18 +186,18 @@ class Check:
     def environment(self, extra: dict | None = None, cpu_backend: bool = False) -> dict:
         # The repository first, then the PYTHONPATH given (carried wheels), never replaced.
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path,
+               "TORCHINDUCTOR_CACHE_DIR": str(self.work / "inductor_cache")}
         env.setdefault("OMP_NUM_THREADS", "1")  # as the test suite runs its CPU ranks
         if cpu_backend:
             env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU backend, also on a GPU machine
         return {**env, **(extra or {})}
 
-    def run(self, what: str, command: list[str], log_name: str, limit: float,
-            env: dict) -> str:
+    def run(self, what: str, command: list[str], log_name: str, env: dict) -> str:
         """Runs `command` in a process group of its own, its output to logs/log_name (a file,
         not a pipe: a process the launch leaves behind cannot hold the check up). Raises
-        StepFailed naming `what` when it runs past its timeout or exits non-zero."""
-        timeout = self.budget.timeout(limit)
+        StepFailed naming `what` when it runs past its step's budget or exits non-zero."""
+        timeout = self.budget.timeout()
         with open(self.logs / log_name, "wb") as out:
             proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -202,18 +215,18 @@ class Check:
             proc.wait()
         log = (self.logs / log_name).read_text(errors="replace")
         if timed_out:
-            raise StepFailed(f"{what} timed out after {timeout:.0f} s; see {log_name}")
+            raise StepFailed(f"{what} ran past the step's budget ({timeout:.0f} s left of it); "
+                             f"see {log_name}")
         if proc.returncode != 0:
             last = log.strip().splitlines()[-1] if log.strip() else ""
             raise StepFailed(f"{what} exited {proc.returncode}; see {log_name}: {last[-300:]}")
         return log
 
     def torchrun(self, what: str, script: Path, args: list[str], log_name: str,
-                 env: dict | None = None, cpu_backend: bool = False,
-                 limit: float = TINY_LAUNCH_SECONDS) -> str:
+                 env: dict | None = None, cpu_backend: bool = False) -> str:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "1", str(script), *args]
-        return self.run(what, command, log_name, limit, self.environment(env, cpu_backend))
+        return self.run(what, command, log_name, self.environment(env, cpu_backend))
 
 
 def device_slug() -> str:
@@ -230,9 +243,9 @@ def transformer_engine_problem(on_gpu: bool) -> str | None:
         return "needs CUDA"
     try:
         done = subprocess.run([sys.executable, "-c", "import transformer_engine.pytorch"],
-                              capture_output=True, text=True, timeout=180)
+                              capture_output=True, text=True, timeout=TE_IMPORT_SECONDS)
     except subprocess.TimeoutExpired:
-        return "import transformer_engine.pytorch did not finish in 180 s"
+        return f"import transformer_engine.pytorch did not finish in {TE_IMPORT_SECONDS} s"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         return f"import transformer_engine.pytorch failed: {last[-300:]}"
@@ -313,7 +326,7 @@ def audit(check: Check, name: str, checkpoint: Path) -> str | None:
     try:
         check.run(f"checkpoint audit of {checkpoint.name}",
                   [sys.executable, "-m", "megatron_patches.checkpoint_audit", str(checkpoint)],
-                  f"{name}_audit.log", AUDIT_SECONDS, check.environment())
+                  f"{name}_audit.log", check.environment())
     except StepFailed as failure:
         return str(failure)
     return None
@@ -352,7 +365,6 @@ def flop_counter_cuda(check: Check, reference: dict[str, str] | None) -> Step:
 def train_save_resume(check: Check, name: str, flags: list[str],
                       reference: dict[str, str] | None) -> Step:
     """Trains 2K iterations saving at K, resumes from K in a new process, compares."""
-    started = time.perf_counter()
     root = check.work / name
     snapshots = {run: root / f"snapshots_{run}" for run in ("full", "resumed")}
     for directory in snapshots.values():
@@ -383,8 +395,7 @@ def train_save_resume(check: Check, name: str, flags: list[str],
     return Step(name, "PASS", f"figures equal the CPU reference; saved at {K}, optimizer state "
                 f"loaded bit-exact, resumed to {2 * K} with "
                 f"{'equal' if not check.on_gpu else 'matching'} losses, audit complete"
-                f"{'; ' + mfu.group(0).strip(' |') if mfu else ''} "
-                f"({time.perf_counter() - started:.0f} s)")
+                f"{'; ' + mfu.group(0).strip(' |') if mfu else ''}")
 
 
 def strict_verdicts(log: str) -> dict[str, str]:
@@ -427,16 +438,14 @@ def median_step_ms(log: str) -> float:
 
 def throughput(check: Check) -> Step:
     patched_log = check.torchrun("patched throughput launch", REPO / "pretrain_moe.py",
-                                 THROUGHPUT_MODEL, "throughput_patched.log",
-                                 limit=THROUGHPUT_LAUNCH_SECONDS)
+                                 THROUGHPUT_MODEL, "throughput_patched.log")
     patched = median_step_ms(patched_log)
     # Every patch the run reported, applied or skipped, by the names it printed them under.
     unpatched_names = [name for name in dict.fromkeys(PATCH_STATUS.findall(patched_log))
                        if name not in KEPT_UNPATCHED]
     unpatched = median_step_ms(check.torchrun(
         "unpatched throughput launch", REPO / "pretrain_moe.py", THROUGHPUT_MODEL,
-        "throughput_unpatched.log", env={"MEGATRON_PATCHES_DISABLE": ",".join(unpatched_names)},
-        limit=THROUGHPUT_LAUNCH_SECONDS))
+        "throughput_unpatched.log", env={"MEGATRON_PATCHES_DISABLE": ",".join(unpatched_names)}))
     ratio = unpatched / patched
     print(f"gpu throughput ratio patched/unpatched: {ratio:.3f}", flush=True)
     kept = ", ".join(f"{name} ({why})" for name, why in KEPT_UNPATCHED.items())
@@ -450,7 +459,7 @@ def fused_accumulation(check: Check) -> Step:
     try:
         log = check.run("pytest", [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs",
                                    "-p", "no:cacheprovider", FUSED_TEST],
-                        f"{name}_pytest.log", PYTEST_SECONDS, check.environment())
+                        f"{name}_pytest.log", check.environment())
     except StepFailed as failure:
         return Step(name, "FAIL", str(failure))
     summary = log.strip().splitlines()[-1] if log.strip() else ""
@@ -468,25 +477,37 @@ def report(step: Step) -> Step:
 
 
 def run_step(check: Check, name: str, step, needs_cuda: bool = False) -> Step:
-    """One step's verdict, printed as it comes: its own, FAIL with what failed, NOT RUN where
-    it needs CUDA and there is none, or when no time is left."""
+    """One step's verdict, printed as it comes: its own or FAIL with what failed, with the
+    seconds it took of its budget; NOT RUN where it needs CUDA and there is none, or where the
+    check's budget no longer holds the step's."""
     if needs_cuda and not check.on_gpu:
         return report(Step(name, "NOT RUN", "needs CUDA"))
-    if check.budget.left() < MINIMUM_LAUNCH_SECONDS:
-        return report(Step(name, "NOT RUN", "no time left in the check's budget"))
+    seconds = STEP_SECONDS[name]
+    if check.budget.left() < seconds:
+        return report(Step(name, "NOT RUN", f"its budget of {seconds} s no longer fits: "
+                           f"{max(0.0, check.budget.left()):.0f} s left of the check's "
+                           f"{check.budget.seconds:.0f} s ($GPU_CHECK_SECONDS)"))
+    check.budget.start_step(seconds)
+    started = time.monotonic()
     try:
-        return report(step())
+        verdict = step()
     except StepFailed as failure:
-        return report(Step(name, "FAIL", str(failure)))
+        verdict = Step(name, "FAIL", str(failure))
+    if verdict.verdict != "NOT RUN":
+        verdict.detail += f" ({time.monotonic() - started:.0f} s of its {seconds} s)"
+    return report(verdict)
 
 
 def run_checks(check: Check) -> tuple[list[Step], str | None]:
     """The steps' verdicts, and why the Transformer Engine step did not run (None if it ran)."""
     te_problem = transformer_engine_problem(check.on_gpu)
+    compiled = ("megatron's torch.compile'd fusions compile in the first GPU launch, later "
+                "launches load them from one inductor cache" if check.on_gpu else
+                "torch.compile runs eagerly on the CPU backend")
     steps = [report(Step("environment", "PASS",
                          f"torch {torch.__version__}, CUDA {torch.version.cuda}, device "
                          f"{torch.cuda.get_device_name() if check.on_gpu else 'none (CPU backend)'}"
-                         f", Transformer Engine: {te_problem or 'imports'}"))]
+                         f", Transformer Engine: {te_problem or 'imports'}; {compiled}"))]
     found = {}  # the CPU reference's figures, once it passed
 
     def reference() -> Step:
@@ -528,7 +549,7 @@ def main() -> int:
     slug = device_slug()
     logs = results / f"gpu_check_{slug}_logs"
     logs.mkdir(exist_ok=True)
-    budget = Budget(float(os.environ.get("GPU_CHECK_SECONDS", "480")))
+    budget = Budget(float(os.environ.get("GPU_CHECK_SECONDS", CHECK_SECONDS)))
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         steps, te_problem = run_checks(Check(Path(work), logs, budget, torch.cuda.is_available()))
     lines = [f"gpu_check on {slug} ({time.strftime('%Y-%m-%d %H:%M:%S %Z')})"]

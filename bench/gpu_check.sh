@@ -5,22 +5,24 @@
 #   bash bench/gpu_check.sh
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. Where megatron-core is not installed
-# (a bare GPU image), the wheels in .whl/ are installed into /tmp/site first and put on
-# PYTHONPATH (before what it held), which every launch keeps. Results:
+# (a bare GPU image), prepared wheels are installed first (below); every launch keeps the
+# PYTHONPATH that puts them first. Results:
 # bench/results/gpu_check_<device>.txt and the launches' logs beside it (or under
 # $GPU_CHECK_RESULTS); copied to $OUT when that is set (the summary and one archive of the logs:
 # $OUT takes few files).
 #
-# On this workplace's H200 machine (torch 2.11 CUDA 13, Python 3.12; numpy, packaging, einops,
-# psutil, tensorboard and pytest are in its image, Transformer Engine and apex are not), .whl/
-# must hold megatron-core alone (2.4 MB; .whl/ is git-ignored, never committed). Prepare it once:
+# A GPU machine without a package registry (this workplace's H200: torch 2.11 CUDA 13, Python
+# 3.12, the packages in bench/device_image_packages.txt, no megatron-core, Transformer Engine or
+# apex): prepare the wheels it lacks here, once, where pip reaches PyPI,
 #
-#   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl megatron-core==0.19.2
+#   bash bench/gpu_check.sh --prepare [DIR]      # DIR: .whl (git-ignored, never committed)
 #
-# then call the device tool's run with command `bash bench/gpu_check.sh`, carry [".whl"] and
-# timeout_s 540: the check spends at most $GPU_CHECK_SECONDS (default 480) on its launches.
+# which prints the device call to make (command `bash bench/gpu_check.sh`, carry [".whl"],
+# timeout_s 540). There, the check resolves megatron-core against what the machine has, offline,
+# installs just what it lacks from $GPU_CHECK_WHEELS (default .whl) into a fresh folder on
+# PYTHONPATH, or stops with one line naming what is missing (bench/gpu_check_wheels.py). Its
+# steps stop starting at $GPU_CHECK_SECONDS (default 330): with the install, the whole check
+# fits in 6 minutes, half a 15-minute device window, leaving the other half for a rerun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,12 +30,14 @@ python=${PYTHON:-}
 if [[ -z $python ]]; then
   if [[ -x .venv/bin/python ]]; then python=.venv/bin/python; else python=python3; fi
 fi
+if [[ ${1:-} == --prepare ]]; then
+  exec "$python" bench/gpu_check_wheels.py prepare "${2:-.whl}"
+fi
 if ! "$python" -c 'import megatron.core' 2>/dev/null; then
-  compgen -G '.whl/*.whl' >/dev/null \
-    || { echo "gpu_check.sh: megatron-core is not installed and no wheels are in .whl/" >&2; exit 2; }
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  site=$(mktemp -d /tmp/gpu_check_site.XXXXXX)
+  trap 'rm -rf "$site"' EXIT
+  "$python" bench/gpu_check_wheels.py install "${GPU_CHECK_WHEELS:-.whl}" "$site" || exit 2
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
 status=0
