@@ -58,6 +58,19 @@ def device_python(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU run bench/gpu_check.sh itself")
 def test_gpu_check_runs_on_cpu_from_prepared_wheels(tmp_path, device_python):
+    # A folder holding a wheel the check does not need is refused, left as it was (two versions
+    # of one distribution would stop the install on the device).
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    (crowded / "megatron_core-0.15.0-py3-none-any.whl").write_bytes(b"")
+    refused = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--prepare",
+                              str(crowded)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.splitlines() == [
+        f"gpu_check_wheels: error: {crowded} holds wheels the check does not need "
+        "(megatron_core-0.15.0-py3-none-any.whl); remove them or prepare into an empty folder"]
+    assert [path.name for path in crowded.iterdir()] == ["megatron_core-0.15.0-py3-none-any.whl"]
+
     wheels = tmp_path / "whl"
     prepared = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--prepare",
                                str(wheels)], cwd=REPO, capture_output=True, text=True, timeout=300)
