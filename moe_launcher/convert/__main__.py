@@ -38,7 +38,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--iteration", type=int, help="default: the tracker's iteration")
-    exp.add_argument("--tokenizer", help="a folder whose tokenizer files are copied")
+    exp.add_argument("--tokenizer", help="a folder whose tokenizer files are copied (default: "
+                                         "the run's --tokenizer-model folder, for a run with "
+                                         "HuggingFaceTokenizer)")
     exp.add_argument("--config-from", help="the source model's folder: its config.json's token "
                                            "ids and its generation_config.json (checked to be "
                                            "this model's config)")

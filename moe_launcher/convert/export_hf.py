@@ -1,6 +1,7 @@
 """export-hf: a launcher torch_dist checkpoint (any layout) as a Hugging Face folder that
 `AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in the
-checkpoint, sharded safetensors with their index, the tokenizer's files with --tokenizer, and
+checkpoint, sharded safetensors with their index, the tokenizer's files (--tokenizer's, else
+those of the run's own --tokenizer-model folder when it trained with HuggingFaceTokenizer), and
 with --config-from the source model's special token ids and generation_config.json (which no
 checkpoint holds), once its config.json is checked to describe the same model.
 """
@@ -44,6 +45,20 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
     return source
 
 
+def _run_tokenizer(args) -> str | None:
+    """The tokenizer folder the run trained with, when it is one here (said either way)."""
+    if getattr(args, "tokenizer_type", None) != "HuggingFaceTokenizer":
+        return None
+    folder = getattr(args, "tokenizer_model", None)
+    if folder and os.path.isdir(folder):
+        print(f"convert: export-hf: the tokenizer's files from the run's --tokenizer-model "
+              f"{folder}", flush=True)
+        return folder
+    print(f"convert: export-hf: the run's --tokenizer-model {folder} is not a folder here, so no "
+          f"tokenizer files are written; --tokenizer FOLDER adds them", flush=True)
+    return None
+
+
 def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str | None,
               max_shard_bytes: int, config_from: str | None = None) -> None:
     import transformers
@@ -64,6 +79,7 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
         print(f"convert: export-hf: {', '.join(f'{key}={getattr(config, key, None)}' for key in TOKEN_IDS)}"
               f" are {family.config_class}'s defaults; --config-from the source model's folder "
               f"keeps its own (and its generation_config.json)", flush=True)
+    tokenizer = tokenizer or _run_tokenizer(args)
     model = megatron_side.build(model_config)
     megatron_side.load_into(model, path)
     params = model.state_dict()

@@ -250,7 +250,8 @@ def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
 
 
 def _first_loss(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bool = False,
-                env: dict | None = None) -> float:
+                env: dict | None = None,
+                tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer")) -> float:
     """pretrain_moe.py $(cat model_flags.txt) --load CKPT on 2 ranks at `layout`: the loss
     TensorBoard has for iteration 1 (one step at lr 0; with `save`, saved into root/trained)."""
     from _launch import launch, tensorboard_scalars
@@ -259,7 +260,7 @@ def _first_loss(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bo
     saving = ["--save", str(root / "trained"), "--save-interval", "1"] if save else []
     launch(2, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
                "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
-               "--tokenizer-type", "NullTokenizer", "--data-path", corpus, "--split", "100,0,0",
+               *tokenizer, "--data-path", corpus, "--split", "100,0,0",
                "--data-cache-path", str(root / "cache"), "--train-iters", "1", "--lr", "0.0",
                "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
                "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
@@ -267,25 +268,58 @@ def _first_loss(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bo
     return tensorboard_scalars(root / "tb", "lm loss")[1]
 
 
+def _qwen_like_tokenizer(folder: Path) -> list[str]:
+    """A byte-level BPE tokenizer with Qwen's special tokens, trained here with `tokenizers`
+    on words of random letters to 119 ids: like Qwen3's (151,669 ids in a 151,936-row model),
+    fewer ids than config.json's vocab_size (200) and not a multiple of 128; megatron would pad
+    its length to 128 rows, the model's 200 to 256. Returns texts of the corpus it learnt from."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    draw = random.Random(0)
+    words = ["".join(draw.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(draw.randint(3, 8)))
+             for _ in range(300)]
+    texts = [" ".join(draw.choice(words) for _ in range(12)) for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=119, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                            pad_token="<|endoftext|>").save_pretrained(folder)
+    return texts
+
+
 def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conversions,
                                                                    tmp_path):
     """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
-    sequence parallelism and experts EP2, and at TP1 x EP2: the first logged loss is
+    sequence parallelism and experts EP2, and at TP1 x EP2 with the model's own tokenizer
+    (HuggingFaceTokenizer, a Qwen-like folder of 119 ids): the first logged loss is
     transformers' own loss on the batch (loss-over-real-vocabulary; without it megatron's
     loss takes the softmax over its 256 padded rows too, whose zero rows give logits 0: the
     loss of transformers' logits padded with zeros). After one step at lr 0 the launcher's own
-    TP2/EP2 checkpoint, optimizer state and all, exports bit-identical."""
-    from transformers import AutoModelForCausalLM
+    TP1/EP2 checkpoint, optimizer state and all, exports bit-identical with the run's tokenizer
+    (issue 40): `from_pretrained` loads both, the token ids are the source's, and the exported
+    model's loss is the launcher's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     family, hf_dir, ckpt, _ = family_conversions("mixtral")
-    tokens = torch.randint(0, VOCAB - 1, (SEQ,), generator=torch.Generator().manual_seed(2))
+    texts = _qwen_like_tokenizer(tmp_path / "tokenizer")
+    source_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert len(source_tokenizer) == 119
+    tokens = torch.tensor(source_tokenizer(texts[0])["input_ids"][:SEQ])
     prefix = str(tmp_path / "corpus_text_document")
     _periodic_corpus(prefix, tokens)
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
-    logged = _first_loss(ckpt, prefix, tmp_path, tp2, save=True)
+    logged = _first_loss(ckpt, prefix, tmp_path, tp2)
     at_tp1 = _first_loss(ckpt, prefix, tmp_path / "tp1",  # DP2: a micro-batch per rank
-                         ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"])
+                         ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"],
+                         save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
+                                               "--tokenizer-model", str(tmp_path / "tokenizer")))
     unpatched = _first_loss(ckpt, prefix, tmp_path / "unpatched", tp2,
                             env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
@@ -305,11 +339,23 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
           f"{expected!r}; unpatched {unpatched!r} (transformers' over 256 padded rows "
           f"{with_padding!r})")
 
-    convert("export-hf", tmp_path / "trained", tmp_path / "exported")
+    run = convert("export-hf", tmp_path / "tp1" / "trained", tmp_path / "exported")
+    assert f"the tokenizer's files from the run's --tokenizer-model {tmp_path / 'tokenizer'}" \
+        in run.stdout, run.stdout
     before, after = _hf_tensors(hf_dir), _hf_tensors(tmp_path / "exported")
     assert sorted(before) == sorted(after)
     different = [name for name in before if not torch.equal(before[name], after[name])]
     assert not different, f"{len(different)} tensors changed, e.g. {different[:3]}"
+    exported_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "exported")
+    assert len(exported_tokenizer) == 119
+    assert [exported_tokenizer(text)["input_ids"] for text in texts[:20]] == \
+        [source_tokenizer(text)["input_ids"] for text in texts[:20]]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32)
+    assert exported.config.vocab_size == VOCAB
+    with torch.no_grad():
+        exported_loss = torch.nn.functional.cross_entropy(
+            exported.eval()(tokens[None]).logits[0], labels).item()
+    assert abs(exported_loss - at_tp1) < 2e-4 * at_tp1, (exported_loss, at_tp1)
 
 
 @pytest.mark.parametrize("remove, add, named", [
