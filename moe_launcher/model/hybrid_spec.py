@@ -10,9 +10,11 @@ keep megatron's IdentityOp default and are refused by preflight before anything 
 
 Where TE fuses the norm into the following linear (TELayerNormColumnParallelLinear), the local
 spec has a separate norm in the layer's norm slot, as megatron's local GPT spec does, and saves
-it under the same checkpoint keys as that spec (`self_attention.linear_qkv.layer_norm_*`,
-`mlp.linear_fc1.layer_norm_*`), so megatron's GPT-to-Hybrid checkpoint loading
-(`gpt_checkpoint_interop`) reads a local-spec GPT checkpoint into this HybridModel.
+it under TE's fused key (`self_attention.linear_qkv.layer_norm_*`, a dense MLP's
+`mlp.linear_fc1.layer_norm_*`); a MoE layer's pre-MLP norm is a module of its own in TE's hybrid
+spec too and keeps its own key (`pre_mlp_layernorm.*`, as the local GPT spec saves it with
+moe-norm-checkpoint-key). So megatron's GPT-to-Hybrid checkpoint loading
+(`gpt_checkpoint_interop`) reads a local-spec or TE GPT checkpoint into this HybridModel.
 """
 
 from functools import partial
@@ -97,7 +99,6 @@ def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> Modu
             sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
         ),
     )
-    mlp_norm_keys = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     dense_mlp = ModuleSpec(
         module=MLPLayer,
         submodules=TransformerLayerSubmodules(
@@ -106,7 +107,7 @@ def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> Modu
                 linear_fc1=backend.column_parallel_linear(),
                 linear_fc2=backend.row_parallel_linear())),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=mlp_norm_keys,
+            sharded_state_dict_keys_map={"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
         ),
     )
     moe = ModuleSpec(
@@ -115,7 +116,6 @@ def local_hybrid_stack_spec(normalization: str, num_experts: int | None) -> Modu
             pre_mlp_layernorm=norm,
             mlp=get_moe_module_spec_for_backend(backend=backend, num_experts=num_experts or 1),
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=mlp_norm_keys,
         ),
     )
     # The MTP block carries its norms and projection; its inner layers are built from the
