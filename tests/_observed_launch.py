@@ -22,11 +22,7 @@ when its environment variable names a directory:
   under torch's FlopCounterMode, on the device it trains on, and writes
   {"device": ..., "flop_counter": FLOPs torch counted, "census": the FLOPs the layer census
   predicts for it (flops_from_layer_census, full attention)} to that file. The gradients it
-  leaves are zeroed by the training step, which starts by zeroing the gradient buffers;
-* $WARMUP_KEEPS_SEED=1: megatron's JIT warmup (set_jit_fusion_options) runs without moving the
-  generator megatron seeded. It draws random tensors sized by --micro-batch-size from the
-  generator that the CPU initialisation (--use-cpu-initialization) then uses, so otherwise two
-  runs that differ only in --micro-batch-size start from different weights.
+  leaves are zeroed by the training step, which starts by zeroing the gradient buffers.
 """
 
 import functools
@@ -233,19 +229,6 @@ def _observe_flops(training) -> None:
     training.train_step = train_step
 
 
-def _warmup_keeps_seed(training) -> None:
-    warmup = training.set_jit_fusion_options
-
-    @functools.wraps(warmup)
-    def set_jit_fusion_options(*args, **kwargs):
-        # The CPU backend's "CUDA" generator is the CPU one, which fork_rng always restores.
-        cuda = range(torch.cuda.device_count()) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):
-            return warmup(*args, **kwargs)
-
-    training.set_jit_fusion_options = set_jit_fusion_options
-
-
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from moe_launcher import cpu_backend
@@ -261,6 +244,4 @@ if __name__ == "__main__":
         _observe_memory(training)
     if os.environ.get("FLOP_COUNT_FILE"):
         _observe_flops(training)
-    if os.environ.get("WARMUP_KEEPS_SEED") == "1":
-        _warmup_keeps_seed(training)
     pretrain_moe.main(sys.argv[1:])

@@ -159,3 +159,22 @@ def _patch_megatron() -> None:
     # pretrain() asserts CUDA unless initialize_megatron is told that no CUDA is fine.
     training.initialize_megatron = functools.partial(training.initialize_megatron,
                                                      allow_no_cuda=True)
+    training.set_jit_fusion_options = _warmup_off_the_cpu_generator(
+        training.set_jit_fusion_options)
+
+
+def _warmup_off_the_cpu_generator(set_jit_fusion_options):
+    """megatron's JIT warm-up (pretrain() calls it after seeding, before building the model)
+    draws `torch.rand(..., device="cuda")` tensors sized by --micro-batch-size and runs dropout
+    on them. On a GPU those draws move the CUDA generator only, and --use-cpu-initialization
+    then draws the weights from the CPU generator where the seed put it. Here the two are one
+    generator, so the warm-up would make the initial weights depend on --micro-batch-size: it
+    runs on a fork of the generator instead, so the CPU side is as on a GPU (the stand-in CUDA
+    generator is then not moved either, where a GPU's is)."""
+
+    @functools.wraps(set_jit_fusion_options)
+    def set_jit_fusion_options_on_a_fork(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return set_jit_fusion_options(*args, **kwargs)
+
+    return set_jit_fusion_options_on_a_fork

@@ -23,9 +23,9 @@ one-micro-batch run reduces optim/no_shard gradients once after the backward pas
 default); the accumulating run reduces them in the backward hooks of the last micro-batch
 (--overlap-grad-reduce; optim_grads_params always reduces there, after every backward).
 
-* Same weights: megatron's JIT warmup draws tensors sized by --micro-batch-size from the
-  generator the CPU initialisation uses next, so the observer runs it on a forked generator
-  (WARMUP_KEEPS_SEED).
+* Same weights: megatron's JIT warm-up draws tensors sized by --micro-batch-size, which the
+  CPU backend keeps off the generator the CPU initialisation uses
+  (tests/moe_launcher/cpu_backend/test_warmup_rng_cpu.py).
 * --moe-aux-loss-coeff 0: the load-balancing loss is computed per micro-batch from that
   micro-batch's routing statistics, so it is not additive over micro-batches and its gradient
   rightly differs between the two splits.
@@ -63,7 +63,7 @@ def reduced_grads(tmp_path: Path, tag: str, nproc: int, micro_batch: int, args: 
     grad_dir.mkdir()
     log = launch(nproc, [*flags, "--use-megatron-fsdp", "--use-distributed-optimizer",
                          "--ckpt-format", "fsdp_dtensor", "--train-iters", "1", *args],
-                 env={"GRAD_DIR": str(grad_dir), "GRAD_NAMES": ".", "WARMUP_KEEPS_SEED": "1"},
+                 env={"GRAD_DIR": str(grad_dir), "GRAD_NAMES": "."},
                  script=OBSERVED, torchrun=torchrun, timeout=300).check().log
     grads = [torch.load(grad_dir / f"grads_rank{rank}.pt") for rank in range(nproc)]
     assert all(len(rank_grads) > 20 for rank_grads in grads), log[-3000:]
