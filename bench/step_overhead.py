@@ -55,8 +55,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from _launch import TINY_MODEL, LiveRun, launch  # noqa: E402
 
-# Without these the tiny model does not run here (no CUDA; megatron's dataset helpers).
-NEEDED_HERE = {"cpu", "dataset-helpers-prebuilt"}
+# Without these the tiny model does not run here (no CUDA; megatron's dataset helpers), or cannot
+# load the checkpoint both modes start from (saved with the patches: moe-norm-checkpoint-key
+# names the MoE norms' key, at model build, no cost per step).
+NEEDED_HERE = {"cpu", "dataset-helpers-prebuilt", "moe-norm-checkpoint-key"}
 WARMUP = 3
 SAVE_INTERVAL = 3
 INITIALIZED = "[after megatron is initialized]"  # megatron's line before the model is built

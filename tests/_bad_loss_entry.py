@@ -1,9 +1,12 @@
-"""pretrain_moe.py whose loss turns NaN from the second iteration on (test_loss_checks_cpu only).
+"""pretrain_moe.py whose loss turns $BAD_LOSS (nan or inf) from the second iteration on
+(test_loss_checks_cpu only).
 
 The project's forward step and loss function run unchanged; the loss function is handed the
-model's token losses plus a constant NaN, so the gradients stay finite and only a check of the
-loss itself can notice. (Megatron skips its checks on the first iteration.)
+model's token losses plus a constant NaN or Inf, so the gradients stay finite and only a check
+of the loss itself can notice. (Megatron skips its checks on the first iteration.)
 """
+
+import os
 
 import runpy
 import sys
@@ -25,13 +28,16 @@ from moe_launcher import gpt_step  # noqa: E402
 forward_step = gpt_step.forward_step
 
 
-def forward_step_with_nan_loss(data_iterator, model):
+BAD_LOSS = float(os.environ["BAD_LOSS"])
+
+
+def forward_step_with_bad_loss(data_iterator, model):
     output, loss_func = forward_step(data_iterator, model)
     if get_args().curr_iteration < 1:
         return output, loss_func
-    return output, lambda output_tensor: loss_func(output_tensor + float("nan"))
+    return output, lambda output_tensor: loss_func(output_tensor + BAD_LOSS)
 
 
-gpt_step.forward_step = forward_step_with_nan_loss  # pretrain_moe.main imports it from here
+gpt_step.forward_step = forward_step_with_bad_loss  # pretrain_moe.main imports it from here
 sys.argv[0] = str(REPO / "pretrain_moe.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
