@@ -14,12 +14,15 @@ Targets megatron-core 0.15.x - 0.19.x.
 
 from __future__ import annotations
 
+import functools
+
 from moe_launcher.model import built_model
 from megatron_patches import registry
 from megatron_patches.accounting import layer_census  # registered first: this patch requires it
 from megatron_patches.registry import Patch, PatchContext, register
 
 UPSTREAM = "NVIDIA/Megatron-LM#1778"
+PATCH_NAME = "moe-aux-loss-per-built-layer"
 
 
 def _not_needed(context: PatchContext) -> str | None:
@@ -43,21 +46,22 @@ def moe_layers_logged(built: built_model.BuiltModel) -> int:
 def _apply() -> None:
     from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
     megatron_count = MoEMetricsTracker._count_moe_layers
-    if getattr(megatron_count, "_per_built_layer", False):
+    if registry.wrapped_by(megatron_count, PATCH_NAME):
         return
 
+    @functools.wraps(megatron_count)
     def _count_moe_layers(num_layers, moe_layer_freq, mtp_num_layers):
         built = registry.record_of(layer_census.PATCH.name).built
         if built is None or built.layers.moe_layers_with_mtp == 0:
             return megatron_count(num_layers, moe_layer_freq, mtp_num_layers)
         return moe_layers_logged(built)
 
-    _count_moe_layers._per_built_layer = True
+    _count_moe_layers.__wrapped_by__ = PATCH_NAME
     MoEMetricsTracker._count_moe_layers = staticmethod(_count_moe_layers)
 
 
 register(Patch(
-    name="moe-aux-loss-per-built-layer",
+    name=PATCH_NAME,
     upstream=UPSTREAM,
     versions=">=0.15,<0.20",
     summary="averages logged MoE aux losses over the MoE layers built (MoE MTP layers "

@@ -28,8 +28,8 @@ def _repeated_mtp_model(**overrides):
     return model, statuses
 
 
-def test_logged_aux_loss_counts_a_repeated_mtp_layer_once():
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+def test_logged_aux_loss_counts_a_repeated_mtp_layer_once(monkeypatch):
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, get_moe_metrics_tracker
 
     model, statuses = _repeated_mtp_model()
     assert statuses["moe-aux-loss-per-built-layer"].applied
@@ -47,6 +47,17 @@ def test_logged_aux_loss_counts_a_repeated_mtp_layer_once():
     recorded = per_layer[per_layer != 0]
     assert recorded.numel() == 3, "2 decoder layers and one slot for the repeated MTP layer"
     torch.testing.assert_close(total_loss["load_balancing_loss"], recorded.mean())
+
+    # megatron's own divisor, the patch left out: 2 decoder layers + DEPTHS, for 3 slots filled
+    patched_count = MoEMetricsTracker._count_moe_layers
+    monkeypatch.setattr(MoEMetricsTracker, "_count_moe_layers",
+                        staticmethod(patched_count.__wrapped__))
+    tracker.metrics["load_balancing_loss"].values.copy_(per_layer)
+    megatron_loss = {}
+    tracker.report(loss_scale=1.0, iteration=1, force_initialize=True,
+                   track_names=["load_balancing_loss"], num_layers=2, moe_layer_freq=1,
+                   mtp_num_layers=DEPTHS, total_loss_dict=megatron_loss)
+    torch.testing.assert_close(megatron_loss["load_balancing_loss"], recorded.sum() / (2 + DEPTHS))
 
 
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
