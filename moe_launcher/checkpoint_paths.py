@@ -107,5 +107,8 @@ def check_megatron_fsdp_load_format(args) -> None:
         raise PreflightError("--load", f"--load {iteration} is a torch_dist checkpoint, but "
                                        "--use-megatron-fsdp loads fsdp_dtensor checkpoints only "
                                        "(megatron-core 0.19.2 fails on every rank with KeyError: "
-                                       "'model'); fix: train from it without --use-megatron-fsdp "
-                                       "(--use-distributed-optimizer, --ckpt-format torch_dist)")
+                                       "'model'); fix: convert its weights with `python -m "
+                                       "moe_launcher.convert to-fsdp-dtensor "
+                                       f"{args.load} OUT_DIR` and --load OUT_DIR, or train "
+                                       "without --use-megatron-fsdp (--use-distributed-optimizer, "
+                                       "--ckpt-format torch_dist)")

@@ -1,4 +1,5 @@
-"""python -m moe_launcher.convert {import-hf,export-hf} ...; a refusal is one line, exit 2."""
+"""python -m moe_launcher.convert {import-hf,export-hf,to-torch-dist,to-fsdp-dtensor} ...; a refusal
+is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from moe_launcher.runtime.refusals import EXIT_STATUS
 
 from .errors import ConvertError
+from .fsdp_dtensor import SPECS
 
 _UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -28,13 +30,15 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     top = _Parser(prog="python -m moe_launcher.convert",
-                  description="Hugging Face MoE models <-> the launcher's torch_dist checkpoints")
+                  description="Hugging Face MoE models <-> the launcher's checkpoints, "
+                              "and torch_dist <-> fsdp_dtensor")
     commands = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
     imp = commands.add_parser("import-hf", help="a HF folder -> a torch_dist checkpoint and "
                                                 "OUT_DIR/model_flags.txt")
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
-    exp = commands.add_parser("export-hf", help="a torch_dist checkpoint -> a HF folder")
+    exp = commands.add_parser("export-hf", help="a torch_dist or fsdp_dtensor checkpoint -> a HF "
+                                                "folder")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--iteration", type=int, help="default: the tracker's iteration")
@@ -46,6 +50,18 @@ def parser() -> argparse.ArgumentParser:
                                            "this model's config)")
     exp.add_argument("--max-shard-size", type=shard_bytes, default="5GB",
                      help="largest safetensors shard (default 5GB)")
+    to_dist = commands.add_parser("to-torch-dist", help="an fsdp_dtensor checkpoint's weights "
+                                                        "-> a torch_dist release")
+    to_fsdp = commands.add_parser("to-fsdp-dtensor", help="a torch_dist checkpoint's weights "
+                                                          "(an import) -> an fsdp_dtensor release")
+    for command in (to_dist, to_fsdp):
+        command.add_argument("ckpt_dir")
+        command.add_argument("out_dir")
+        command.add_argument("--iteration", type=int, help="default: the tracker's iteration")
+    to_fsdp.add_argument("--transformer-impl", choices=SPECS, default="transformer_engine",
+                         help="the spec of the run that will load it, whose module names the "
+                              "checkpoint uses (default transformer_engine: the GPU recipes; "
+                              "local: CPU runs)")
     return top
 
 
@@ -58,6 +74,15 @@ def main(argv: list[str] | None = None) -> int:
             from .import_hf import import_hf
 
             import_hf(options.hf_dir, options.out_dir)
+        elif options.command == "to-torch-dist":
+            from .change_format import to_torch_dist
+
+            to_torch_dist(options.ckpt_dir, options.out_dir, options.iteration)
+        elif options.command == "to-fsdp-dtensor":
+            from .change_format import to_fsdp_dtensor
+
+            to_fsdp_dtensor(options.ckpt_dir, options.out_dir, options.iteration,
+                            options.transformer_impl)
         else:
             from .export_hf import export_hf
 

@@ -1,5 +1,5 @@
-"""export-hf: a launcher torch_dist checkpoint (any layout) as a Hugging Face folder that
-`AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in the
+"""export-hf: a launcher checkpoint (torch_dist or fsdp_dtensor, any layout) as a Hugging Face
+folder that `AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in the
 checkpoint, sharded safetensors with their index, the tokenizer's files (--tokenizer's, else
 those of the run's own --tokenizer-model folder when it trained with HuggingFaceTokenizer), and
 with --config-from the source model's special token ids and generation_config.json (which no
@@ -65,7 +65,7 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
 
     check_target(out_dir)
     path = megatron_side.iteration_dir(ckpt_dir, iteration)
-    megatron_side.check_format(path)
+    megatron_side.checkpoint_format(path)
     megatron_side.start()
     args = megatron_side.saved_args(path)
     family = family_of_args(args)

@@ -15,6 +15,7 @@ import socket
 
 import torch
 
+from . import fsdp_dtensor
 from .errors import ConvertError
 
 # What a conversion's command line needs besides the architecture; saved in the checkpoint's
@@ -91,16 +92,25 @@ def args_of_flags(model_flags: list[str], seq_length: int):
     return args, config.model
 
 
+def world_one_args(saved_args, ckpt_format: str = "torch_dist"):
+    """A checkpoint's saved args laid out for this one rank, saving in `ckpt_format`, with no
+    samples consumed: megatron restores the consumed counts of a release's args while it starts
+    at iteration 0, so a trained run's counts would make the next run skip that much data, or
+    stop before its first step ("no samples left to consume")."""
+    args = copy.copy(saved_args)
+    for name, value in {**_WORLD_ONE, "consumed_train_samples": 0, "skipped_train_samples": 0,
+                        "consumed_valid_samples": 0, "ckpt_format": ckpt_format}.items():
+        setattr(args, name, value)
+    return args
+
+
 def world_one_config(saved_args):
     """The GPT model config of a checkpoint's saved args, laid out for this one rank."""
     from moe_launcher.megatron_validation import model_config
     from moe_launcher.runtime.refusals import PreflightError
 
-    args = copy.copy(saved_args)
-    for name, value in _WORLD_ONE.items():
-        setattr(args, name, value)
     try:
-        return model_config(args)
+        return model_config(world_one_args(saved_args))
     except PreflightError as error:
         raise ConvertError(str(error)) from None
 
@@ -158,30 +168,31 @@ def iteration_dir(ckpt_root: str, iteration: int | None) -> str:
     return path
 
 
-def check_format(path: str) -> None:
-    """Refuses what is not a complete torch_dist checkpoint, from its files alone."""
+def checkpoint_format(path: str) -> str:
+    """"torch_dist" or "fsdp_dtensor", judged from the files alone; refuses anything else and a
+    checkpoint whose files are missing or short."""
     from moe_launcher.checkpoint_files.file_checks import file_problems
     from moe_launcher.checkpoint_files.metadata import saved_backend
 
     backend = saved_backend(path)
     if backend is None and not os.path.exists(os.path.join(path, "metadata.json")) and \
             os.path.isfile(os.path.join(path, ".metadata")):
-        backend = "fsdp_dtensor"
-    if backend == "fsdp_dtensor":
-        raise ConvertError(f"{path} is an fsdp_dtensor checkpoint (torch DCP files without "
-                           "megatron's metadata.json): export reads torch_dist only for now (load "
-                           "it in the launcher and save with --ckpt-format torch_dist)")
-    if backend != "torch_dist":
-        raise ConvertError(f"{path} is not a torch_dist checkpoint (sharded_backend {backend!r})")
+        backend = "fsdp_dtensor"  # torch DCP files without megatron's metadata.json
+    if backend not in ("torch_dist", "fsdp_dtensor"):
+        raise ConvertError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint "
+                           f"(sharded_backend {backend!r})")
     problems = file_problems(path)
     if problems:
         raise ConvertError(f"{path} is damaged: {problems[0]}")
+    return backend
 
 
 def saved_args(path: str):
-    """The args a torch_dist checkpoint was saved with."""
+    """The args a checkpoint was saved with."""
     from megatron.core import dist_checkpointing
 
+    if checkpoint_format(path) == "fsdp_dtensor":
+        return fsdp_dtensor.saved_args(path)
     args = dist_checkpointing.load_common_state_dict(path).get("args")
     if args is None:
         raise ConvertError(f"{path} holds no megatron args")
@@ -189,10 +200,16 @@ def saved_args(path: str):
 
 
 def load_into(model, path: str) -> None:
-    """megatron's dist_checkpointing load of the model's tensors (the optimizer's are left on
-    disk), resharded from the saved layout to this rank's."""
+    """The model's tensors (the optimizer's are left on disk), resharded from the saved layout
+    to this rank's: megatron's dist_checkpointing load for torch_dist, a DCP read of each global
+    tensor for fsdp_dtensor."""
     from megatron.core import dist_checkpointing, parallel_state
 
+    if checkpoint_format(path) == "fsdp_dtensor":
+        spec = fsdp_dtensor.read_weights(model, path)
+        print(f"convert: read the fsdp_dtensor checkpoint {path} (module names of the {spec} "
+              "spec)", flush=True)
+        return
     metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
     metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, path)

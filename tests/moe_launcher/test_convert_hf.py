@@ -112,12 +112,11 @@ def converted(request, family_conversions):
 
 def _megatron_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The checkpoint loaded the way export reads it: megatron's GPTModel at TP1 from the args
-    saved in it, its tensors through dist_checkpointing."""
-    from _megatron_cpu import init_world
-
+    saved in it (with the launcher's patches, as the converter applies them), its tensors
+    through dist_checkpointing."""
     from moe_launcher.convert import megatron_side
 
-    init_world()
+    megatron_side.start()
     path = megatron_side.iteration_dir(str(ckpt), None)
     model = megatron_side.build(megatron_side.world_one_config(megatron_side.saved_args(path)))
     megatron_side.load_into(model, path)
@@ -537,6 +536,101 @@ def test_import_refuses_a_tensor_the_config_contradicts_or_that_is_not_finite(qw
     assert f"{expert} holds NaN or Inf values" in line, line
 
 
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
+                 "fsdp_dtensor", "--data-parallel-sharding-strategy", "optim_grads_params", "--bf16"]
+
+
+def _launched_losses(nproc: int, flags: list[str], root: Path, corpus: str, *layout: str,
+                     env: dict | None = None, fails: bool = False):
+    """pretrain_moe.py on `nproc` ranks over the periodic corpus (a micro-batch of 1 per data
+    parallel rank): the launch (checked to succeed, or with `fails` to fail) and the losses
+    TensorBoard has."""
+    from _launch import launch, tensorboard_scalars
+
+    run = launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "1",
+                         "--tokenizer-type", "NullTokenizer", "--data-path", corpus,
+                         "--split", "100,0,0", "--data-cache-path", str(root / "cache"),
+                         "--moe-token-dispatcher-type", "alltoall", "--eval-iters", "0",
+                         "--eval-interval", "1000", "--log-interval", "1",
+                         "--tensorboard-dir", str(root / "tb"), *layout], env=env)
+    if fails:
+        assert run.returncode != 0, run.log[-3000:]
+        return run, {}
+    return run, tensorboard_scalars(root / "tb", "lm loss") if run.check() else {}
+
+
+def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dtensor(
+        family_conversions, tmp_path, capsys):
+    """Issues 40 and 37 in one chain, on a Qwen3-MoE import. `to-fsdp-dtensor` makes it a
+    release Megatron-FSDP loads: EP2 x ETP2, bf16, 4 ranks, whose first loss is transformers'
+    on the batch (bf16 forward: within 1%; fsdp-dtensor-release-load: without it megatron asks
+    the release for optimizer state and every rank fails). Three steps later its fsdp_dtensor
+    checkpoint leaves both ways: `to-torch-dist` resumes at PP2 in fp32, and `export-hf` reads
+    it directly; the PP2 run's first loss is transformers' own loss of the exported model
+    (fp32 on the same bf16-rounded weights: 2e-4), which the training moved off the import's.
+    A partial fsdp_dtensor checkpoint and a damaged one are refused in one line."""
+    from transformers import AutoModelForCausalLM
+
+    _, hf_dir, ckpt, _ = family_conversions("qwen3_moe")
+    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1))
+    corpus = str(tmp_path / "corpus_text_document")
+    _periodic_corpus(corpus, tokens)
+    labels = torch.cat([tokens[1:], tokens[:1]])
+
+    def transformers_loss(folder: Path) -> float:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(model(tokens[None]).logits[0],
+                                                     labels).item()
+
+    convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp_import", "--transformer-impl", "local")
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    load = ["--load", str(tmp_path / "fsdp_import")]
+    unpatched, _ = _launched_losses(2, [*flags, *MEGATRON_FSDP, "--global-batch-size", "2"],
+                                    tmp_path / "unpatched", corpus, *load, "--train-iters", "1",
+                                    "--lr", "0.0", fails=True,
+                                    env={"MEGATRON_PATCHES_DISABLE": "fsdp-dtensor-release-load"})
+    assert "Missing key in checkpoint state_dict: optimizer.state." in unpatched.log
+
+    _, trained = _launched_losses(
+        4, [*flags, *MEGATRON_FSDP, "--global-batch-size", "4"], tmp_path, corpus, *load,
+        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
+        "--train-iters", "3", "--lr", "1e-2", "--save", str(tmp_path / "trained"),
+        "--save-interval", "3")
+    imported = transformers_loss(hf_dir)
+    assert abs(trained[1] - imported) < 1e-2 * imported, (trained, imported)
+
+    convert("to-torch-dist", tmp_path / "trained", tmp_path / "torch_dist")
+    convert("export-hf", tmp_path / "trained", tmp_path / "exported")
+    _, resumed = _launched_losses(2, [*flags, "--global-batch-size", "1", "--ckpt-format",
+                                      "torch_dist"], tmp_path / "pp2", corpus,
+                                  "--load", str(tmp_path / "torch_dist"),
+                                  "--pipeline-model-parallel-size", "2", "--train-iters", "1",
+                                  "--lr", "0.0")
+    exported = transformers_loss(tmp_path / "exported")
+    assert abs(resumed[1] - exported) < 2e-4 * exported, (resumed, exported)
+    assert imported - exported > 1e-2  # three steps on one repeated sample moved the weights
+    print(f"first loss from the import under Megatron-FSDP {trained[1]!r} (transformers' "
+          f"{imported!r}); after 3 steps, at PP2 from to-torch-dist {resumed[1]!r}, "
+          f"transformers' on export-hf's {exported!r}")
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "fsdp_import" / "release", tmp_path / "import.pt")
+    saved = torch.load(tmp_path / "import.pt", weights_only=False)
+    del saved["model"]["module.decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"]
+    torch.distributed.checkpoint.save(saved, checkpoint_id=tmp_path / "partial" / "release",
+                                      no_dist=True)
+    (tmp_path / "partial" / "latest_checkpointed_iteration.txt").write_text("release")
+    line = refused(capsys, tmp_path, "to-torch-dist", tmp_path / "partial")
+    assert "lacks 1 of the model's tensors (e.g. model.module.decoder.layers.1.mlp.experts." \
+           "local_experts.3.linear_fc2.weight" in line, line
+    damaged = shutil.copytree(tmp_path / "trained", tmp_path / "damaged")
+    shard = next((damaged / "iter_0000003").glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    assert "is damaged" in refused(capsys, tmp_path, "export-hf", damaged)
+
+
 def test_refuses_an_output_folder_that_holds_files(qwen_dir, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("not ours")
@@ -544,7 +638,7 @@ def test_refuses_an_output_folder_that_holds_files(qwen_dir, tmp_path, capsys):
     assert (tmp_path / "out" / "keep.txt").read_text() == "not ours"
 
 
-def test_export_refuses_missing_checkpoints_and_fsdp_dtensor(tmp_path, capsys):
+def test_export_refuses_missing_and_damaged_checkpoints(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert "no latest_checkpointed_iteration.txt" in refused(capsys, tmp_path, "export-hf",
                                                              tmp_path / "empty")
@@ -555,7 +649,8 @@ def test_export_refuses_missing_checkpoints_and_fsdp_dtensor(tmp_path, capsys):
     fsdp.mkdir(parents=True)
     (fsdp / ".metadata").write_bytes(b"")
     (tmp_path / "fsdp" / "latest_checkpointed_iteration.txt").write_text("1")
-    assert "fsdp_dtensor" in refused(capsys, tmp_path, "export-hf", tmp_path / "fsdp")
+    line = refused(capsys, tmp_path, "export-hf", tmp_path / "fsdp")
+    assert "is damaged: .metadata is unreadable" in line, line
 
 
 def test_export_refuses_a_damaged_checkpoint(family_conversions, tmp_path, capsys):

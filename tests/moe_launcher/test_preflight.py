@@ -177,8 +177,10 @@ def test_megatron_fsdp_refuses_a_torch_dist_load(tmp_path, monkeypatch):
     assert line == (f"pretrain_moe: error: --load {tmp_path / 'torch_dist' / 'iter_0000002'} is "
                     "a torch_dist checkpoint, but --use-megatron-fsdp loads fsdp_dtensor "
                     "checkpoints only (megatron-core 0.19.2 fails on every rank with KeyError: "
-                    "'model'); fix: train from it without --use-megatron-fsdp "
-                    "(--use-distributed-optimizer, --ckpt-format torch_dist)"), line
+                    "'model'); fix: convert its weights with `python -m moe_launcher.convert "
+                    f"to-fsdp-dtensor {tmp_path / 'torch_dist'} OUT_DIR` and --load OUT_DIR, or "
+                    "train without --use-megatron-fsdp (--use-distributed-optimizer, "
+                    "--ckpt-format torch_dist)"), line
     assert judge(1, [*fsdp_run, "--load", str(tmp_path / "fsdp_dtensor")], monkeypatch) is None
     assert judge(1, [*fsdp_run, "--load", str(tmp_path / "torch_dist"), "--ckpt-step", "7"],
                  monkeypatch) is None  # no such iteration: the load checks judge it

@@ -1,0 +1,49 @@
+"""to-torch-dist and to-fsdp-dtensor: a checkpoint's model weights in the other format, as a
+`release` checkpoint (megatron's convention for converted weights, as import-hf writes it).
+
+Megatron-FSDP saves and loads fsdp_dtensor only (megatron-core 0.19.2); every other layout
+(DDP, the distributed optimizer, PP/VPP) torch_dist only. The weights cross; the optimizer state,
+scheduler, RNG state and consumed-sample counts do not: megatron loads a release at iteration 0
+and builds fresh optimizer state from the weights, as for a fine-tune. Both say so when they
+finish.
+"""
+
+from __future__ import annotations
+
+from . import fsdp_dtensor, megatron_side
+from .errors import ConvertError
+from .staging import check_target, staged_folder
+
+_WEIGHTS_ONLY = ("model weights only: a run that loads it starts at iteration 0, from the "
+                 "data's first sample, with fresh optimizer state (Adam moments, learning-rate "
+                 "schedule), as from an import")
+
+
+def _source(ckpt_dir: str, iteration: int | None, wanted: str):
+    path = megatron_side.iteration_dir(ckpt_dir, iteration)
+    found = megatron_side.checkpoint_format(path)
+    if found != wanted:
+        raise ConvertError(f"{path} is a {found} checkpoint, not {wanted}")
+    megatron_side.start()
+    args = megatron_side.saved_args(path)
+    model = megatron_side.build(megatron_side.world_one_config(args))
+    megatron_side.load_into(model, path)
+    return model, args
+
+
+def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
+    check_target(out_dir)
+    model, args = _source(ckpt_dir, iteration, "fsdp_dtensor")
+    with staged_folder(out_dir) as staging:
+        megatron_side.save_release(model, megatron_side.world_one_args(args), staging)
+    print(f"convert: to-torch-dist: {_WEIGHTS_ONLY}", flush=True)
+
+
+def to_fsdp_dtensor(ckpt_dir: str, out_dir: str, iteration: int | None, spec: str) -> None:
+    check_target(out_dir)
+    model, args = _source(ckpt_dir, iteration, "torch_dist")
+    with staged_folder(out_dir) as staging:
+        fsdp_dtensor.save_release(model, megatron_side.world_one_args(args, "fsdp_dtensor"),
+                                  staging, spec)
+    print(f"convert: to-fsdp-dtensor: module names of the {spec} spec (a run with "
+          f"--transformer-impl {spec} loads it); {_WEIGHTS_ONLY}", flush=True)

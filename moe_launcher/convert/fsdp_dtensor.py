@@ -1,0 +1,164 @@
+"""fsdp_dtensor checkpoints (the only format megatron-core 0.19.2 saves Megatron-FSDP runs in)
+read into, and written from, the converter's one-rank model.
+
+What megatron's fsdp_dtensor save writes (megatron.training.checkpointing's
+`preprocess_fsdp_dtensor_state_dict` and megatron.core.transformer.fsdp_dtensor_checkpoint, read
+in megatron-core 0.19.2 and checked against the `.metadata` of the launcher's own runs):
+
+* torch DCP files, no megatron metadata.json; every model tensor as one global tensor under
+  `model.module.` + the module's own state-dict name, in the main weights' dtype (fp32 for
+  --bf16); `args`, `iteration` and `checkpoint_version` as pickled objects.
+* experts under their global index: `local_experts.<e>.` (sequential experts) or `weight<e>`
+  (grouped GEMM experts, the GPU recipes').
+* each SwiGLU `linear_fc1` weight as its two halves `<name>_w` and `<name>_v`, each the whole
+  gate (up) matrix: fc1's TP shards interleave the halves, so megatron splits before saving.
+* module names are those of the spec that trained: the local spec's, or Transformer Engine's,
+  which fuses norms into the next linear layer. megatron's own map between them (each layer's
+  `sharded_state_dict_keys_map`, what makes torch_dist keys spec-independent) gives TE's name,
+  so a reader tries both against what `.metadata` holds, and a writer writes the target spec's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .errors import ConvertError
+
+MODEL_PREFIX = "model.module."
+CHECKPOINT_VERSION = 3.0  # megatron's current one: no QKV reordering on load
+SPECS = ("transformer_engine", "local")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_GATED_FC1 = re.compile(r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\."
+                        r"(weight|bias)$")
+
+
+def _layer_key_maps(model) -> dict[str, dict[str, str]]:
+    """Each transformer layer's prefix -> megatron's map from local-spec to TE names."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return {f"{name}.": dict(module.submodules_config.sharded_state_dict_keys_map)
+            for name, module in model.named_modules() if isinstance(module, TransformerLayer)}
+
+
+def _te_name(name: str, key_maps: dict[str, dict[str, str]]) -> str:
+    for prefix, key_map in key_maps.items():
+        if name.startswith(prefix):
+            inner = name[len(prefix):]
+            for local, te in key_map.items():
+                if inner.startswith(local):
+                    inner = te + inner[len(local):]
+                    break
+            name = prefix + inner
+            break
+    if match := _EXPERT.match(name):  # TE's grouped GEMM: one weight<e> per expert
+        experts, index, linear, kind = match.groups()
+        name = f"{experts}{linear}.{kind}{index}"
+    return name
+
+
+def stored_names(model, spec: str) -> dict[str, list[str]]:
+    """Each parameter of the one-rank model (state-dict name) -> the names it is saved under by
+    a run of `spec` (without MODEL_PREFIX): one, or the `_w`/`_v` halves of a SwiGLU fc1."""
+    gated = model.config.gated_linear_unit
+    key_maps = _layer_key_maps(model) if spec == "transformer_engine" else {}
+    names = {}
+    for name in model.state_dict():
+        if name.endswith("_extra_state"):
+            continue
+        stored = _te_name(name, key_maps) if key_maps else name
+        names[name] = [stored + "_w", stored + "_v"] if gated and _GATED_FC1.search(name) \
+            else [stored]
+    return names
+
+
+def checkpoint_model_tensors(path: str) -> dict[str, TensorStorageMetadata]:
+    """The model tensors an fsdp_dtensor iteration folder holds (MODEL_PREFIX stripped)."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:  # a truncated or garbled pickle raises anything
+        raise ConvertError(f"{path}/.metadata is unreadable ({type(error).__name__}: {error})") \
+            from None
+    return {key[len(MODEL_PREFIX):]: value for key, value in metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(value, TensorStorageMetadata)}
+
+
+def _spec_of(saved: dict, candidates: dict[str, dict[str, list[str]]]) -> str:
+    """The spec whose names the checkpoint holds, every parameter's."""
+    for spec, names in candidates.items():
+        if all(name in saved for stored in names.values() for name in stored):
+            return spec
+    best = max(candidates, key=lambda s: sum(n in saved for v in candidates[s].values() for n in v))
+    missing = [n for v in candidates[best].values() for n in v if n not in saved]
+    raise ConvertError(f"the checkpoint lacks {len(missing)} of the model's tensors "
+                       f"(e.g. {MODEL_PREFIX}{missing[0]}; names of the {best} spec): it is "
+                       "partial or of another model")
+
+
+def read_weights(model, path: str) -> str:
+    """Fills the one-rank model from an fsdp_dtensor iteration folder, each tensor read once
+    (cast to the model's dtype); returns the spec whose names it held. Refuses a checkpoint
+    that lacks a parameter, holds one of another shape, or holds model tensors it would drop."""
+    saved = checkpoint_model_tensors(path)
+    candidates = {spec: stored_names(model, spec) for spec in SPECS}
+    spec = _spec_of(saved, candidates)
+    names = candidates[spec]
+    used = {name for stored in names.values() for name in stored}
+    if extra := sorted(set(saved) - used):
+        raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{extra[0]}"
+                           f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} belongs "
+                           "to no parameter of the model its args build: the conversion would "
+                           "drop it")
+    params = model.state_dict()
+    with torch.no_grad():
+        for name, stored in names.items():
+            target = params[name]
+            parts = {MODEL_PREFIX + key: torch.empty(tuple(saved[key].size),
+                                                      dtype=saved[key].properties.dtype)
+                     for key in stored}
+            whole = (tuple(target.shape[:1]) if len(stored) == 1 else
+                     (target.shape[0] // 2,)) + tuple(target.shape[1:])
+            for key in stored:
+                if tuple(saved[key].size) != whole:
+                    raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{key} has shape "
+                                       f"{tuple(saved[key].size)}, the model its args build "
+                                       f"{whole}")
+            dcp.load(parts, checkpoint_id=path, no_dist=True)
+            target.copy_(torch.cat(list(parts.values())) if len(parts) > 1
+                         else next(iter(parts.values())))
+    return spec
+
+
+def saved_args(path: str):
+    """The args an fsdp_dtensor checkpoint was saved with."""
+    state = {"args": None}
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as error:
+        raise ConvertError(f"{path} holds no readable megatron args ({type(error).__name__})") \
+            from None
+    if state["args"] is None:
+        raise ConvertError(f"{path} holds no megatron args")
+    return state["args"]
+
+
+def save_release(model, args, ckpt_root: str, spec: str) -> None:
+    """`ckpt_root/release` in fsdp_dtensor (model weights in fp32, Megatron-FSDP's main-weight
+    dtype, named as a run of `spec` asks for them) and a tracker naming it. megatron's load then
+    takes iteration 0 and no optimizer, scheduler or RNG state, as for import-hf's torch_dist."""
+    params = model.state_dict()
+    tensors = {}
+    for name, stored in stored_names(model, spec).items():
+        weight = params[name].detach().to(torch.float32)
+        for key, part in zip(stored, weight.chunk(len(stored))):
+            tensors["module." + key] = part.contiguous()
+    release = os.path.join(ckpt_root, "release")
+    os.mkdir(release)
+    dcp.save({"model": tensors, "args": args, "iteration": 0,
+              "checkpoint_version": CHECKPOINT_VERSION}, checkpoint_id=release, no_dist=True)
+    with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
