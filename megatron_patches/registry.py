@@ -162,6 +162,7 @@ PATCH_MODULES = (
     "megatron_patches.fsdp.fsdp_expert_etp_sharding",
     "megatron_patches.fsdp.fsdp_dtensor_optimizer_keys",
     "megatron_patches.fsdp.fsdp_one_rank_grad_scaling",
+    "megatron_patches.fsdp.fsdp_fused_wgrad_accumulation",
     "megatron_patches.fsdp.fsdp_model_to_main_weights",
     "megatron_patches.fsdp.fsdp_dtensor_release_load",
     "megatron_patches.checkpointing.torch_format_shard_guard",

@@ -454,6 +454,22 @@ def check_moe_expert_parallel_overlap(args) -> None:
                              "drop --overlap-moe-expert-parallel-comm")
 
 
+@preflight_check("mtp-per-token-loss")
+def check_mtp_per_token_loss(args) -> None:
+    # megatron-core 0.19.2's process_mtp_loss weights a micro-batch's MTP loss by that
+    # micro-batch's own original/rolled token counts, where per-token loss needs the step's; the
+    # counts differ between micro-batches only when the loss mask does (--eod-mask-loss), and
+    # the step's counts are not known before the first backward, so no sound fix exists here.
+    if getattr(args, "mtp_num_layers", None) and args.calculate_per_token_loss and \
+            args.eod_mask_loss:
+        raise PreflightError("--calculate-per-token-loss",
+                             "--calculate-per-token-loss with --mtp-num-layers and "
+                             "--eod-mask-loss: megatron-core 0.19.2 weights each micro-batch's "
+                             "MTP loss by its own token counts, not the step's, so the MTP "
+                             "gradient is silently off wherever EOD masks differ (Megatron-LM "
+                             "#7452); fix: drop --calculate-per-token-loss (or --eod-mask-loss)")
+
+
 @preflight_check("multi-latent-attention-spec")
 def check_multi_latent_attention_spec(args) -> None:
     if args.multi_latent_attention and args.transformer_impl == "local":

@@ -11,7 +11,9 @@ when its environment variable names a directory:
 * $GRAD_DIR: after megatron finalizes an iteration's gradients (DP reduction included), each
   rank writes the gradients its optimizer will step with (name -> tensor) to grads_rank{R}.pt:
   those of the parameters whose names match the regular expression $GRAD_NAMES (default: the
-  routers' weights). Megatron-FSDP gives this rank's shard (its local part of the DTensor);
+  routers' weights). Megatron-FSDP gives this rank's shard (its local part of the DTensor),
+  and, to overwrite_rank{R}.json, each parameter's `overwrite_main_grad` flag as megatron's
+  last gather left it (name -> true/false/null where the parameter has none);
 * $MEMORY_DIR: after megatron's first training step (the optimizer states exist), each rank of a
   Megatron-FSDP model writes what it keeps of the model's weights, gradients, main weights and
   optimizer states, counted in Megatron-FSDP's buffers and the optimizer's state tensors (buffer
@@ -139,8 +141,13 @@ def _observe_grads(training) -> None:
         grads = {name: _reduced_grad(param).detach().clone()
                  for chunk in model for name, param in chunk.named_parameters()
                  if names.search(name)}
-        path = os.path.join(os.environ["GRAD_DIR"], f"grads_rank{torch.distributed.get_rank()}.pt")
-        torch.save(grads, path)
+        rank = torch.distributed.get_rank()
+        torch.save(grads, os.path.join(os.environ["GRAD_DIR"], f"grads_rank{rank}.pt"))
+        flags = {name: getattr(param, "overwrite_main_grad", None)
+                 for chunk in model for module in chunk.modules()
+                 for param, name in getattr(module, "param_to_name", {}).items()}
+        with open(os.path.join(os.environ["GRAD_DIR"], f"overwrite_rank{rank}.json"), "w") as f:
+            json.dump(flags, f)
         return result
 
     training.finalize_model_grads = finalize_model_grads

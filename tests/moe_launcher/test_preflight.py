@@ -81,6 +81,10 @@ CASES = {
     # The local HybridModel spec builds attention, dense MLP and MoE layers only.
     "hybrid-family-without-transformer-engine": (1, ["--hybrid-layer-pattern", "*M*E"],
                                                  "--hybrid-layer-pattern"),
+    # Megatron-LM #7452: MTP per-token loss normalised per micro-batch (no sound fix; refused).
+    "mtp-per-token-loss-with-eod-mask": (1, ["--mtp-num-layers", "1",
+                                             "--calculate-per-token-loss", "--eod-mask-loss"],
+                                         "--calculate-per-token-loss"),
     # megatron's HuggingFaceTokenizer would download a hub id on every rank.
     "tokenizer-model-is-a-hub-id": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
                                         "--tokenizer-model", "Qwen/Qwen3-30B-A3B"],
@@ -119,6 +123,14 @@ def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path, monkeypatc
     assert line.startswith("pretrain_moe: error: ") and "\n" not in line, line
     assert flag in line and "fix" in line.lower(), line
     assert os.listdir(tmp_path) == [], "something was written"
+
+
+def test_mtp_per_token_loss_passes_where_every_micro_batch_has_the_same_counts(monkeypatch):
+    """Without --eod-mask-loss every micro-batch's original/rolled ratio is the step's
+    (seq_length / (seq_length - 1) per MTP depth): megatron's weighting is exact, not refused."""
+    assert judge(1, [*BASE, "--mtp-num-layers", "1", "--calculate-per-token-loss"],
+                 monkeypatch) is None
+    assert judge(1, [*BASE, "--mtp-num-layers", "1", "--eod-mask-loss"], monkeypatch) is None
 
 
 def test_every_rank_of_a_world_refuses_and_rank_0_explains(tmp_path):

@@ -38,6 +38,7 @@ default); the accumulating run reduces them in the backward hooks of the last mi
   so either would show it.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,9 +53,9 @@ TOLERANCE = 1e-5  # of each gradient's norm; see the module docstring
 
 
 def reduced_grads(tmp_path: Path, tag: str, nproc: int, micro_batch: int, args: list[str],
-                  torchrun: bool = False) -> list[dict[str, torch.Tensor]]:
+                  torchrun: bool = False, env: dict | None = None) -> list[dict[str, torch.Tensor]]:
     """Per rank: parameter name -> the fp32 gradient megatron hands the optimizer at
-    iteration 1."""
+    iteration 1 (and, in tmp_path/tag, each rank's overwrite_main_grad flags)."""
     flags = [a for a in TINY_MODEL if a != "--bf16"]
     flags[flags.index("--micro-batch-size") + 1] = str(micro_batch)
     flags[flags.index("--global-batch-size") + 1] = str(GLOBAL_BATCH)
@@ -63,7 +64,7 @@ def reduced_grads(tmp_path: Path, tag: str, nproc: int, micro_batch: int, args: 
     grad_dir.mkdir()
     log = launch(nproc, [*flags, "--use-megatron-fsdp", "--use-distributed-optimizer",
                          "--ckpt-format", "fsdp_dtensor", "--train-iters", "1", *args],
-                 env={"GRAD_DIR": str(grad_dir), "GRAD_NAMES": "."},
+                 env={"GRAD_DIR": str(grad_dir), "GRAD_NAMES": ".", **(env or {})},
                  script=OBSERVED, torchrun=torchrun, timeout=300).check().log
     grads = [torch.load(grad_dir / f"grads_rank{rank}.pt") for rank in range(nproc)]
     assert all(len(rank_grads) > 20 for rank_grads in grads), log[-3000:]
@@ -82,15 +83,41 @@ def assert_same_gradients(accumulated, one_batch, what: str, tolerance: float) -
                 f"by {error:.3g} of its norm (tolerance {tolerance:g})")
 
 
+def overwrite_flags(tmp_path: Path, tag: str, nproc: int) -> list[dict[str, bool | None]]:
+    return [json.loads((tmp_path / tag / f"overwrite_rank{rank}.json").read_text())
+            for rank in range(nproc)]
+
+
+def sharded_grad_buffer(strategy: str, name: str) -> bool | None:
+    """Whether the parameter's gradient buffer is sharded in this layout (None: Megatron-FSDP
+    gathers nothing under no_shard, so no flag is set): the dense ones under optim_grads_params
+    over DP2; the experts' never, their expert-DP group (EP2 on 2 ranks) having one rank."""
+    if strategy == "no_shard":
+        return None
+    return strategy == "optim_grads_params" and ".experts." not in name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["optim", "no_shard", "optim_grads_params"])
 def test_micro_batches_accumulate_like_one_batch(strategy, tmp_path):
+    """Also PR #6357's flag (fsdp-fused-wgrad-accumulation): with the patch each gathered
+    parameter tells TE to overwrite `main_grad` only where its gradient buffer is sharded;
+    megatron's own (the one-micro-batch run, without the patch: the flag changes nothing on
+    the unfused CPU path) tells every one, so fused accumulation would keep only the last
+    micro-batch of `optim`'s dense weights and of the experts under every strategy."""
     layout = ["--data-parallel-sharding-strategy", strategy,
               "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    one_batch = reduced_grads(tmp_path, "one", 2, GLOBAL_BATCH // 2, layout)
+    one_batch = reduced_grads(tmp_path, "one", 2, GLOBAL_BATCH // 2, layout,
+                              env={"MEGATRON_PATCHES_DISABLE": "fsdp-fused-wgrad-accumulation"})
     accumulated = reduced_grads(tmp_path, "two", 2, GLOBAL_BATCH // 4,
                                 [*layout, "--overlap-grad-reduce"])
     assert_same_gradients(accumulated, one_batch, "2 micro-batches", TOLERANCE)
+
+    for flags in overwrite_flags(tmp_path, "two", 2):
+        assert len(flags) > 20
+        assert flags == {name: sharded_grad_buffer(strategy, name) for name in flags}, flags
+    for flags in overwrite_flags(tmp_path, "one", 2):
+        assert set(flags.values()) == ({None} if strategy == "no_shard" else {True}), flags
 
 
 def _transformer_engine() -> bool:
