@@ -48,11 +48,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between progress lines when stderr is not a terminal")
     parser.add_argument("--chunk-bytes", type=_positive(int), default=1 << 20,
                         help="input bytes per worker task (default 1 MiB)")
+    # Megatron-LM's tool splits sentences with NLTK; refused in one line rather than ignored.
+    parser.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.split_sentences:
+        print(PrepareError("--split-sentences (Megatron-LM's NLTK sentence splitting) is not "
+                           "supported; fix: give each record's text as a list of sentences "
+                           "(one sequence each, as the tool writes them), or drop the "
+                           "flag").line(), file=sys.stderr)
+        return EXIT_STATUS
     config = PrepareConfig(
         inputs=tuple(args.input), tokenizer=args.tokenizer, output_prefix=args.output_prefix,
         json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,

@@ -39,17 +39,19 @@ class Chunk:
 
 @dataclasses.dataclass
 class ChunkResult:
-    """One chunk tokenized: per key, the concatenated tokens and each document's length."""
+    """One chunk tokenized: per key, the concatenated tokens, each sequence's length, and each
+    document's number of sequences (its sequences follow one another)."""
 
     tokens: dict[str, numpy.ndarray]
     lengths: dict[str, numpy.ndarray]
+    sequences: dict[str, numpy.ndarray]
     skipped: Counter                 # reason -> records skipped
     bad_line: str | None = None      # the first malformed line, when not skipping them
     input_bytes: int = 0
 
     @property
     def documents(self) -> int:
-        return len(next(iter(self.lengths.values())))
+        return len(next(iter(self.sequences.values())))
 
     @property
     def token_count(self) -> int:

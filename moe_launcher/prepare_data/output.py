@@ -51,15 +51,20 @@ class DatasetWriter:
         self.record = record  # what made it (moe_launcher/dataset_record.py)
         self.largest = -1  # the largest token id written
 
-    def add(self, tokens: numpy.ndarray, lengths: numpy.ndarray) -> None:
-        """Documents of a chunk: `tokens` concatenated, lengths[i] of them the i-th's."""
+    def add(self, tokens: numpy.ndarray, lengths: numpy.ndarray, sequences: numpy.ndarray) -> None:
+        """Documents of a chunk: `tokens` concatenated, lengths[j] of them the j-th sequence's,
+        sequences[i] sequences the i-th document's (none: a document of no sequence)."""
         if tokens.size:
             self.largest = max(self.largest, int(tokens.max()))
-        ends = numpy.cumsum(lengths)
-        for start, end in zip(ends - lengths, ends):
+        token_ends = numpy.cumsum(lengths)
+        sequence_ends = numpy.cumsum(sequences)
+        start = 0
+        for first, last in zip(sequence_ends - sequences, sequence_ends):
+            end = int(token_ends[last - 1]) if last > first else start
             # A numpy slice, not a tensor: add_document converts with numpy.array(), which
             # copies either way, and warns (numpy 2) for every tensor.
-            self.builder.add_document(tokens[start:end], [int(end - start)])
+            self.builder.add_document(tokens[start:end], lengths[first:last].tolist())
+            start = end
 
     def finish(self) -> None:
         """Writes the index and makes both files durable, still under their partial names."""
@@ -95,9 +100,9 @@ class OutputSet:
             self.discard()
             raise PrepareError(f"cannot write {err.filename}: {err.strerror}") from None
 
-    def add(self, tokens: dict, lengths: dict) -> None:
+    def add(self, tokens: dict, lengths: dict, sequences: dict) -> None:
         for key, writer in self.writers.items():
-            writer.add(tokens[key], lengths[key])
+            writer.add(tokens[key], lengths[key], sequences[key])
 
     def commit(self) -> None:
         for writer in self.writers.values():

@@ -99,6 +99,6 @@ def _in_order(pool: ProcessPoolExecutor, chunks: Iterable[Chunk],
 
 def _write(outputs: output.OutputSet, result: ChunkResult) -> None:
     try:
-        outputs.add(result.tokens, result.lengths)
+        outputs.add(result.tokens, result.lengths, result.sequences)
     except OSError as err:
         raise PrepareError(f"cannot write the output: {err.strerror}") from None

@@ -1,8 +1,13 @@
 """What a worker does with one chunk: parse its records, check each key's text, tokenize each
-key's texts in one batch call, and return flat token arrays with the documents' lengths.
+key's texts in one batch call, and return flat token arrays with the sequences' lengths and
+each document's number of sequences.
 
-A record is kept or skipped as a whole, so document i of every key's output comes from the same
-record."""
+Each record is written as Megatron-LM's tools/preprocess_data.py writes it (one document per
+record and key): a text is one sequence, a list of texts one sequence per element; a sequence
+that tokenizes to nothing is left out, so an empty text is a document of its BOS token where
+the tokenizer adds one, else a document of no sequence; --append-eod ends a document's last
+sequence with the end-of-document token when it has one. A record is kept or skipped as a
+whole, so document i of every key's output comes from the same record."""
 
 from __future__ import annotations
 
@@ -58,35 +63,37 @@ def process(chunk: Chunk, setup: WorkerSetup) -> ChunkResult:
     from .tokenizer import hf_tokenizer
 
     skipped = Counter()
-    texts: dict[str, list[str]] = {key: [] for key in setup.keys}
+    texts: dict[str, list[str]] = {key: [] for key in setup.keys}  # every sequence's text
+    per_document: dict[str, list[int]] = {key: [] for key in setup.keys}  # texts per document
     for values in _records(chunk, setup, skipped):
         if isinstance(values, str):  # the malformed line, not skipping: stop here
-            return ChunkResult({}, {}, skipped, bad_line=values)
+            return ChunkResult({}, {}, {}, skipped, bad_line=values)
         reason, checked = _check(values)
         if reason:
             skipped[reason] += 1
             continue
-        for key, text in zip(setup.keys, checked):
-            texts[key].append(text)
+        for key, sequences in zip(setup.keys, checked):
+            texts[key].extend(sequences)
+            per_document[key].append(len(sequences))
 
-    count = len(texts[setup.keys[0]])
     hf = hf_tokenizer(setup.tokenizer)
-    ids = {key: hf(texts[key], return_attention_mask=False, return_token_type_ids=False)
-           ["input_ids"] if count else [] for key in setup.keys}
-    # Text that tokenizes to nothing (whitespace a tokenizer drops, say) is an empty document.
-    kept = [i for i in range(count) if all(ids[key][i] for key in setup.keys)]
-    skipped["empty"] += count - len(kept)
-    tokens, lengths = {}, {}
     eod = setup.tokenizer.eod  # a property that looks the token up on every call
+    tokens, lengths, sequences = {}, {}, {}
     for key in setup.keys:
-        documents = [ids[key][i] for i in kept]
-        if setup.append_eod:
-            for document in documents:
-                document.append(eod)
-        lengths[key] = numpy.fromiter(map(len, documents), dtype=numpy.int64, count=len(kept))
-        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(documents), dtype=setup.dtype,
+        ids = iter(hf(texts[key], return_attention_mask=False, return_token_type_ids=False)
+                   ["input_ids"] if texts[key] else [])
+        kept, counts = [], []
+        for count in per_document[key]:
+            document = [sequence for sequence in itertools.islice(ids, count) if sequence]
+            if document and setup.append_eod:
+                document[-1].append(eod)
+            kept.extend(document)
+            counts.append(len(document))
+        lengths[key] = numpy.fromiter(map(len, kept), dtype=numpy.int64, count=len(kept))
+        sequences[key] = numpy.array(counts, dtype=numpy.int64)
+        tokens[key] = numpy.fromiter(itertools.chain.from_iterable(kept), dtype=setup.dtype,
                                      count=int(lengths[key].sum()))
-    return ChunkResult(tokens, lengths, +skipped, input_bytes=chunk.input_bytes)
+    return ChunkResult(tokens, lengths, sequences, +skipped, input_bytes=chunk.input_bytes)
 
 
 def _records(chunk: Chunk, setup: WorkerSetup, skipped: Counter) -> Iterator[list | str]:
@@ -123,24 +130,25 @@ def _records(chunk: Chunk, setup: WorkerSetup, skipped: Counter) -> Iterator[lis
         yield [record.get(key) for key in setup.keys]
 
 
-def _check(values: list) -> tuple[str | None, list[str]]:
-    """(why the record is skipped, or None; its texts)."""
-    texts = []
+def _check(values: list) -> tuple[str | None, list[list[str]]]:
+    """(why the record is skipped, or None; each key's sequences: a text, or a list's texts)."""
+    checked = []
     for value in values:
         if value is None:
             return "missing key", []
-        if isinstance(value, bytes):  # a Parquet binary column
-            try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError:
+        sequences = []
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, bytes):  # a Parquet binary column
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError:
+                    return "non-UTF-8", []
+            if not isinstance(text, str):
+                return "not text", []
+            try:  # a JSON "\ud800" escape decodes to a lone surrogate, which is no UTF-8 text
+                text.encode("utf-8")
+            except UnicodeEncodeError:
                 return "non-UTF-8", []
-        if not isinstance(value, str):
-            return "not text", []
-        if not value:
-            return "empty", []
-        try:  # a JSON "\ud800" escape decodes to a lone surrogate, which is no UTF-8 text
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return "non-UTF-8", []
-        texts.append(value)
-    return None, texts
+            sequences.append(text)
+        checked.append(sequences)
+    return None, checked

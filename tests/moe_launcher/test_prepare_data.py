@@ -75,12 +75,13 @@ class Corpus:
     root: Path
     tokenizer: Path
     inputs: list[str]       # --input values, a glob among them
-    texts: list[str]        # the documents expected, in order
+    texts: list             # each document's text (a list: one sequence per element), in order
     bad_line: str           # where the first malformed line is: FILE:LINE
 
 
-# What the corpus's bad records are counted as (the summary's wording).
-SKIPPED = "10 skipped (empty: 3, malformed JSON: 2, missing key: 2, non-UTF-8: 2, not text: 1)"
+# What the corpus's bad records are counted as (the summary's wording). An empty text is a
+# document, as Megatron-LM's tool writes it; a blank line is no record.
+SKIPPED = "8 skipped (empty: 1, malformed JSON: 2, missing key: 2, non-UTF-8: 2, not text: 1)"
 
 
 def _write_corpus(root: Path) -> Corpus:
@@ -98,17 +99,22 @@ def _write_corpus(root: Path) -> Corpus:
     plain = root / "a.jsonl"
     head = documents(120)
     bad = [b'{"text": ""}', b'{"id": 7}', b'{"text": "caf\xe9"}', b'{"text": "\\ud800 lone"}',
-           b"   ", b'{"text": "cut off', b'{"text": 5}', b"[1, 2]"]
+           b"   ", b'{"text": "cut off', b'{"text": ["a", 5]}', b"[1, 2]"]
+    texts.append("")  # the tokenizer's BOS alone, then EOD
     tail = documents(130)
     # The special tokens' text inside a document: megatron's tokenize() gives their ids.
     texts.append(f"{EOS} opens, {BOS} inside, {EOS}{EOS} at the end {EOS}")
-    tail.append(json.dumps({"text": texts[-1]}).encode())
+    # A list is one sequence per element (an empty one adds none); an empty list is a document
+    # of no sequence.
+    texts += [[_text(rng, 12), "", _text(rng, 30), "Ünïcödé 中文 🙂"], [], [""]]
+    tail += [json.dumps({"text": text}).encode() for text in texts[-4:]]
     plain.write_bytes(b"\n".join(head + bad + tail) + b"\n")
     for part in range(2):
         with gzip.open(root / f"part-{part}.jsonl.gz", "wb") as f:
             f.write(b"\n".join(documents(150)))  # no newline after the last line
     rows = documents(140)
     column = [json.loads(row)["text"] for row in rows]
+    texts.insert(len(texts) - 70, "")  # the Parquet column's empty text, after its None
     pq.write_table(pyarrow.table({"text": column[:70] + [None, ""] + column[70:],
                                   "id": list(range(142))}),
                    root / "c.parquet", row_group_size=50)
@@ -168,30 +174,71 @@ def prepared(corpus):
     return {"one": one, "one_out": out, "two": two, "two_run": run}
 
 
-def test_tokens_and_document_boundaries_match_the_tokenizer(corpus, prepared):
+def _tool_method(texts: list, tokenizer, prefix: str) -> None:
+    """The dataset Megatron-LM's tools/preprocess_data.py writes for `texts` with --append-eod,
+    its method written here from its documented behaviour: one document per record; a text is
+    one sequence, a list one per element; each tokenized by megatron's tokenizer as training
+    loads it; a sequence of no token left out; EOD appended to the last sequence of a document
+    that has one; megatron-core's IndexedDatasetBuilder (uint16 for this vocabulary)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for text in texts:
+        ids, lengths = [], []
+        for sentence in text if isinstance(text, list) else [text]:
+            if sentence_ids := tokenizer.tokenize(sentence):
+                ids += sentence_ids
+                lengths.append(len(sentence_ids))
+        if ids:
+            ids.append(tokenizer.eod)
+            lengths[-1] += 1
+        builder.add_document(ids, lengths)
+    builder.finalize(prefix + ".idx")
+
+
+def test_the_tools_method_writes_the_same_bytes(corpus, prepared, tmp_path):
+    """Byte for byte what Megatron-LM's tool method writes for the same records, empty, list-
+    valued, unicode and special-token ones included; the tokens are also those of the bare
+    tokenizers library on the same tokenizer.json."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.tokenizers import MegatronTokenizer
     from tokenizers import Tokenizer
 
-    # The tokenizer as a training run's --tokenizer-type HuggingFaceTokenizer loads it, and
-    # the bare tokenizers library on the same tokenizer.json.
+    # The tokenizer as a training run's --tokenizer-type HuggingFaceTokenizer loads it.
     megatron = MegatronTokenizer.from_pretrained(tokenizer_path=str(corpus.tokenizer),
                                                  metadata_path={"library": "huggingface"})
     bare = Tokenizer.from_file(str(corpus.tokenizer / "tokenizer.json"))
-    eod = bare.token_to_id(EOS)
+    eod, bos = bare.token_to_id(EOS), bare.token_to_id(BOS)
     assert megatron.eod == eod
+    _tool_method(corpus.texts, megatron, str(tmp_path / "tool"))
+    for ext in (".bin", ".idx"):
+        assert Path(prepared["one"] + "_text_document" + ext).read_bytes() == \
+            (tmp_path / ("tool" + ext)).read_bytes(), ext
 
     dataset = IndexedDataset(prepared["one"] + "_text_document")
     assert dataset.index.dtype == numpy.uint16  # megatron's choice for a 600-token vocabulary
-    assert len(dataset) == len(corpus.texts)
-    assert dataset.document_indices.tolist() == list(range(len(corpus.texts) + 1))
+    assert len(dataset.document_indices) == len(corpus.texts) + 1
     for i, text in enumerate(corpus.texts):
-        expected = megatron.tokenize(text) + [eod]
-        assert dataset[i].tolist() == expected, f"document {i}: {text!r}"
-        assert bare.encode(text).ids + [eod] == expected
+        first, last = dataset.document_indices[i], dataset.document_indices[i + 1]
+        got = [dataset[j].tolist() for j in range(first, last)]
+        expected = [bare.encode(t).ids for t in (text if isinstance(text, list) else [text])]
+        expected = [ids for ids in expected if ids]
+        if expected:
+            expected[-1] = expected[-1] + [eod]
+        assert got == expected, f"document {i}: {text!r}"
+    assert [dataset[dataset.document_indices[corpus.texts.index("")]].tolist()] == [[bos, eod]]
+    assert [] in corpus.texts  # a document of no sequence: two equal document indices
     tokens = sum(len(dataset[i]) for i in range(len(dataset)))
     assert (f"prepare_data: done: {len(corpus.texts)} documents, {tokens} tokens, {SKIPPED}"
             in prepared["one_out"])
+
+
+def test_split_sentences_is_refused(corpus, tmp_path):
+    code, out, err = _in_process("--input", *corpus.inputs, "--tokenizer", str(corpus.tokenizer),
+                                 "--output-prefix", str(tmp_path / "out"), "--split-sentences")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith("prepare_data: error: --split-sentences") and "fix:" in err, err
+    assert os.listdir(tmp_path) == []
 
 
 def test_one_and_two_workers_write_the_same_bytes(prepared):
@@ -274,7 +321,7 @@ def test_refusals_while_reading(corpus, case, tmp_path):
         (tmp_path / "damaged.jsonl.gz").write_bytes(whole[:len(whole) // 2])
         inputs = [str(tmp_path / "damaged.jsonl.gz")]
     elif case == "nothing to write":
-        (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"title": "x"}\n')
+        (tmp_path / "empty.jsonl").write_text('   \n{"title": "x"}\n')
         inputs = [str(tmp_path / "empty.jsonl")]
     prefix = str(tmp_path / "out")
     code, out, err = _in_process("--input", *inputs, "--tokenizer", tokenizer,
