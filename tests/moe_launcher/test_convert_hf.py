@@ -1,10 +1,14 @@
 """import-hf / export-hf judged by real transformers and real megatron-core: tiny random fp32
 models made with transformers' own config classes (no downloads), converted by the real command
-line (`python -m moe_launcher.convert`, a process of its own: it applies the launcher's patches).
+line's `main()` (what `python -m moe_launcher.convert` runs: it applies the launcher's patches),
+called in this process, where megatron is imported already; each call's changes to os.environ
+are undone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -66,11 +70,20 @@ def _randomise(model) -> None:
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, "-m", "moe_launcher.convert", *map(str, argv)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    assert run.returncode == 0, f"convert {argv[0]} failed ({run.returncode}):\n{run.stderr[-4000:]}"
-    return run
+    """`python -m moe_launcher.convert ARGV` as its main() here (a process of its own spent ~6 s
+    importing megatron per conversion): exit status 0, its stdout and stderr."""
+    from _megatron_cpu import environment_kept
+
+    from moe_launcher.convert.__main__ import main
+
+    out, err, saved_argv = io.StringIO(), io.StringIO(), list(sys.argv)
+    try:
+        with environment_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(arg) for arg in argv])
+    finally:
+        sys.argv[:] = saved_argv  # megatron's parser replaces it
+    assert code == 0, f"convert {argv[0]} failed ({code}):\n{err.getvalue()[-4000:]}"
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
