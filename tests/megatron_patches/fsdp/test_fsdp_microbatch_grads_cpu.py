@@ -120,6 +120,32 @@ def test_micro_batches_accumulate_like_one_batch(strategy, tmp_path):
         assert set(flags.values()) == ({None} if strategy == "no_shard" else {True}), flags
 
 
+def relative_errors(accumulated, one_batch) -> dict[str, float]:
+    """Rank 0's parameters: how far the accumulated gradient is from one micro-batch's, as a
+    fraction of its norm."""
+    return {name: float((accumulated[0][name].double() - grad.double()).norm()
+                        / grad.double().norm())
+            for name, grad in one_batch[0].items() if grad.numel()}
+
+
+@pytest.mark.slow
+def test_without_one_rank_scaling_the_experts_lose_earlier_micro_batches(tmp_path):
+    """fsdp-one-rank-grad-scaling left out (Megatron-LM #6660): under optim_grads_params the
+    experts' one-rank gradient buffers are rescaled by 1/DP at every micro-batch, so with two
+    micro-batches the first one's share is halved; the dense weights (DP2) are exact."""
+    layout = ["--data-parallel-sharding-strategy", "optim_grads_params",
+              "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    one_batch = reduced_grads(tmp_path, "one", 2, GLOBAL_BATCH // 2, layout)
+    unpatched = reduced_grads(tmp_path, "two", 2, GLOBAL_BATCH // 4,
+                              [*layout, "--overlap-grad-reduce"],
+                              env={"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"})
+    errors = relative_errors(unpatched, one_batch)
+    experts = {name: error for name, error in errors.items() if ".experts." in name}
+    dense = {name: error for name, error in errors.items() if ".experts." not in name}
+    assert experts and min(experts.values()) > 0.05, experts  # measured 0.2-0.3
+    assert max(dense.values()) <= TOLERANCE, dense
+
+
 def _transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401
