@@ -141,6 +141,36 @@ def test_patch_replaces_megatron_flops_and_prints_them(capsys):
     assert capsys.readouterr().out.count(f"FLOPs per iteration: {int(expected)}\n") == 1
 
 
+def test_megatron_leaves_out_the_router_of_a_gpt_moe_model():
+    """megatron-core 0.19.2's own formula (the patch's wrapper taken off) for a MoE GPT built
+    from a command line as pretrain_moe.py checks it: short of the census by exactly the
+    routers' FLOPs (3 passes x 2 x hidden x experts per token and MoE layer), while the census,
+    counted over the full causal square, equals torch's FlopCounterMode on the model built."""
+    from megatron.training import training
+
+    from megatron_patches.registry import unwrapped
+    from moe_launcher.convert import megatron_side
+
+    megatron_side.start()
+    seq, hidden, experts, layers = 128, 64, 8, 2
+    args, config = megatron_side.args_of_flags(
+        ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
+         "--ffn-hidden-size", "128", "--num-experts", str(experts), "--moe-router-topk", "2",
+         "--moe-ffn-hidden-size", "32", "--swiglu", "--disable-bias-linear", "--normalization",
+         "RMSNorm", "--position-embedding-type", "rope", "--max-position-embeddings", str(seq),
+         "--vocab-size", str(cpu.VOCAB), "--hidden-dropout", "0", "--attention-dropout", "0"],
+        seq)
+    model = megatron_side.build(config)
+    census = census_of_model([model])
+    shape = flops.ModelShape.from_config(config, args.padded_vocab_size, BATCH, seq)
+    counted = {fraction: flops.flops_per_batch(shape, census, BATCH * seq, BATCH * seq ** 2,
+                                               causal_fraction=fraction)
+               for fraction in (0.5, 1.0)}
+    assert counted[1.0] == cpu.measured_flops(model, BATCH, seq)
+    megatron = unwrapped(training.num_floating_point_operations)(args, BATCH)
+    assert counted[0.5] - megatron == 3 * 2 * hidden * experts * BATCH * seq * layers
+
+
 def test_patch_counts_hybrid_models_too(capsys):
     """A HybridModel run gets the census FLOPs and the printed line, like a GPT run; a pattern
     with layers the census does not model would keep megatron's formula."""
