@@ -20,6 +20,8 @@ from megatron.core.transformer import torch_norm
 
 from megatron_patches.registry import Patch, register
 
+NAME = "local-norm-sequence-parallel"
+
 
 def _not_needed_because(context):
     probe = types.SimpleNamespace(
@@ -47,11 +49,12 @@ def _apply():
             param.sequence_parallel = True
         return norm
 
+    new.__wrapped__, new.__wrapped_by__ = build, NAME  # megatron's own, for the unpatched test
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
 
 
 PATCH = register(Patch(
-    name="local-norm-sequence-parallel",
+    name=NAME,
     upstream="local spec: torch_norm.WrappedTorchNorm asserts not sequence_parallel",
     versions=">=0.15,<0.20",
     summary="megatron's torch norms under sequence parallelism, weights marked for TP grad "

@@ -59,3 +59,15 @@ def test_sequence_parallel_norm_is_megatrons_norm_or_megatrons_refusal(fields):
 def test_apply_layernorm_1p_stays_refused_under_sequence_parallelism():
     outcome, _ = build(tensor_parallel_config(True, layernorm_zero_centered_gamma=True))
     assert outcome == ("AssertionError", "zero_centered_gamma not supported by torch LayerNorm")
+
+
+def test_megatron_alone_refuses_every_sequence_parallel_norm(monkeypatch):
+    """The patch left out (megatron-core's own WrappedTorchNorm.__new__): every norm of the local
+    spec refuses sequence parallelism, which MoE with TP > 1 requires, so no such model builds."""
+    from _unpatched import leave_out
+
+    leave_out(monkeypatch, "local-norm-sequence-parallel", WrappedTorchNorm, "__new__")
+    for fields in (NORM_CONFIGS["layernorm"], NORM_CONFIGS["rmsnorm"]):
+        assert build(tensor_parallel_config(False, **fields))[1] is not None
+        outcome, norm = build(tensor_parallel_config(True, **fields))
+        assert norm is None and outcome[0] == "AssertionError", outcome
