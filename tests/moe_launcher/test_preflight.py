@@ -125,6 +125,31 @@ def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path, monkeypatc
     assert os.listdir(tmp_path) == [], "something was written"
 
 
+def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypatch):
+    """What the hybrid-layer-pattern check refuses: megatron-core 0.19.2's validation alone
+    takes --num-layers 2 with a 3-layer pattern and makes it 3, without a word (#1778 class)."""
+    import contextlib
+    import io
+    import sys
+
+    from moe_launcher.megatron_validation import parse_command_line, validated_args
+    from moe_launcher.platform_defaults import with_platform_defaults
+
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
+    argv, _ = with_platform_defaults([*BASE, "--hybrid-layer-pattern", "*E*",
+                                      "--eval-interval", "1000"], on_cpu=True)
+    args = parse_command_line(argv)
+    assert args.num_layers == 2
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        assert validated_args(args).num_layers == 3
+    said = [line for line in printed.getvalue().splitlines()
+            if ("num_layers" in line or "num-layers" in line) and " ...." not in line]
+    assert said == [], said  # only megatron's dump of every argument names it
+
+
 def test_mtp_per_token_loss_passes_where_every_micro_batch_has_the_same_counts(monkeypatch):
     """Without --eod-mask-loss every micro-batch's original/rolled ratio is the step's
     (seq_length / (seq_length - 1) per MTP depth): megatron's weighting is exact, not refused."""
