@@ -1,13 +1,15 @@
-"""Time and peak memory of import-hf and export-hf on a random Qwen3-MoE (no downloads).
+"""Time and peak memory of the converter's commands on a random Qwen3-MoE (no downloads).
 
     python bench/convert_bench.py [--layers 4] [--hidden 512] [--experts 16]
 
-Makes the model with transformers' config class (bf16, sharded safetensors), runs the real
-command lines one after the other, and prints each one's wall time, throughput (model bytes per
-second) and peak resident memory over a tiny model's run (the process's own cost) as a multiple
-of the model's bytes. megatron builds in fp32 and the converter then casts to the checkpoint's
-dtype, so a bf16 model costs 1.5-2x its bytes now; building in the weights' dtype would make
-it about 1x.
+Makes the model with transformers' config class (bf16, sharded safetensors) and runs the real
+command lines one after the other: import-hf, export-hf of that torch_dist checkpoint,
+to-fsdp-dtensor, and export-hf of the fsdp_dtensor one. For each: wall time, throughput (model
+bytes per second) and peak resident memory over a tiny model's run of the same command (the
+process's own cost), as a multiple of the model's bytes and of its largest tensor. export-hf
+streams from fsdp_dtensor (one parameter read at a time, each safetensors tensor written as it
+comes: goal <= 2x the largest tensor); import-hf, to-fsdp-dtensor and export-hf from torch_dist
+hold the whole model (megatron builds in fp32, so a bf16 model costs 1.5-2x its bytes).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def make_model(folder: str, layers: int, hidden: int, experts: int) -> int:
-    """Saves the model; returns its bytes."""
+def make_model(folder: str, layers: int, hidden: int, experts: int) -> tuple[int, int]:
+    """Saves the model; returns its bytes and its largest tensor's."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -34,7 +36,8 @@ def make_model(folder: str, layers: int, hidden: int, experts: int) -> int:
                             max_position_embeddings=4096, dtype="bfloat16")
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="200MB")
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    return sum(sizes), max(sizes)
 
 
 def timed(*argv: str) -> tuple[float, int]:
@@ -49,13 +52,17 @@ def timed(*argv: str) -> tuple[float, int]:
     return time.monotonic() - start, usage.ru_maxrss * 1024  # Linux reports KiB
 
 
-def bench(layers: int, hidden: int, experts: int) -> tuple[int, dict[str, tuple[float, int]]]:
-    """The model's bytes, and each command's (seconds, peak RSS bytes)."""
+def bench(layers: int, hidden: int, experts: int) -> tuple[int, int, dict]:
+    """The model's bytes, its largest tensor's, and each command's (seconds, peak RSS bytes)."""
     with tempfile.TemporaryDirectory(prefix="convert_bench_") as root:
-        hf, ckpt, out = (os.path.join(root, name) for name in ("hf", "ckpt", "out"))
-        size = make_model(hf, layers, hidden, experts)
-        return size, {"import-hf": timed("import-hf", hf, ckpt),
-                      "export-hf": timed("export-hf", ckpt, out)}
+        hf, ckpt, out, fsdp, out2 = (os.path.join(root, name)
+                                     for name in ("hf", "ckpt", "out", "fsdp", "out2"))
+        size, largest = make_model(hf, layers, hidden, experts)
+        return size, largest, {
+            "import-hf": timed("import-hf", hf, ckpt),
+            "export-hf (torch_dist)": timed("export-hf", ckpt, out),
+            "to-fsdp-dtensor": timed("to-fsdp-dtensor", ckpt, fsdp),
+            "export-hf (fsdp_dtensor)": timed("export-hf", fsdp, out2)}
 
 
 def main() -> None:
@@ -64,13 +71,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=16)
     options = parser.parse_args()
-    _, fixed = bench(1, 64, 4)  # the process's own cost: megatron, transformers, torch
-    size, runs = bench(options.layers, options.hidden, options.experts)
+    _, _, fixed = bench(1, 64, 4)  # the process's own cost: megatron, transformers, torch
+    size, largest, runs = bench(options.layers, options.hidden, options.experts)
+    print(f"model: {size / 1e6:.1f} MB of bf16 weights, largest tensor {largest / 1e6:.1f} MB")
     for command, (seconds, peak) in runs.items():
         extra = peak - fixed[command][1]
-        print(f"{command}: {size / 1e6:.1f} MB in {seconds:.1f} s ({size / 1e6 / seconds:.1f} "
-              f"MB/s); peak RSS {peak / 1e6:.0f} MB, {extra / 1e6:.0f} MB over a tiny model's "
-              f"= {extra / size:.2f}x the model")
+        print(f"{command}: {seconds:.1f} s ({size / 1e9 / seconds * 60:.2f} GB/min); peak RSS "
+              f"{peak / 1e6:.0f} MB, {extra / 1e6:.0f} MB over a tiny model's = "
+              f"{extra / size:.2f}x the model, {extra / largest:.2f}x its largest tensor")
 
 if __name__ == "__main__":
     main()

@@ -11,13 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 
+import torch
+
 from . import megatron_side
 from .architecture import hf_config_kwargs
 from .families import family_of_args
-from .hf_files import ShardWriter, copy_tokenizer, read_config_json
+from .hf_files import ShardWriter, copy_tokenizer, progress_bar, read_config_json
 from .staging import check_target, staged_folder
 from .errors import ConvertError
-from .tensor_map import rules, split, unmapped
+from .tensor_map import hf_shapes, rules, split, unmapped
 
 
 # What a checkpoint does not hold and --config-from supplies: the special token ids (and the
@@ -25,6 +27,10 @@ from .tensor_map import rules, split, unmapped
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Derived keys that are training settings, not the model: --config-from may differ there.
 _TRAINING_KEYS = {"dtype", "attention_dropout", "initializer_range", "router_aux_loss_coef"}
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _source_config(config_from: str, family, derived: dict) -> dict:
@@ -80,8 +86,8 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
               f" are {family.config_class}'s defaults; --config-from the source model's folder "
               f"keeps its own (and its generation_config.json)", flush=True)
     tokenizer = tokenizer or _run_tokenizer(args)
-    model = megatron_side.build(model_config)
-    megatron_side.load_into(model, path)
+    with torch.device("meta"):  # shapes and names only: the weights stream from the checkpoint
+        model = megatron_side.build(model_config)
     params = model.state_dict()
     if dropped := unmapped(params, family, config):
         raise ConvertError(f"the checkpoint's {', '.join(dropped[:3])}"
@@ -91,13 +97,22 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     print(f"convert: export-hf: {family.architecture}, the Hugging Face model whose forward the "
           f"checkpoint's args compute ({', '.join(f'{k}={v}' for k, v in family.marks.items())})",
           flush=True)
+    reader = megatron_side.open_reader(model, path)
+    planned = [(name, shape, params[rule.megatron].dtype) for rule in rules(family, config)
+               for name, shape in zip(rule.hf, hf_shapes(rule, params[rule.megatron].shape,
+                                                         config))]
     with staged_folder(out_dir) as staging:
         if tokenizer:
             copy_tokenizer(tokenizer, staging)
-        writer = ShardWriter(staging, max_shard_bytes)
-        for rule in rules(family, config):
-            for name, tensor in zip(rule.hf, split(rule, params[rule.megatron], config)):
-                writer.add(name, tensor)
+        writer = ShardWriter(staging, max_shard_bytes, planned)
+        with progress_bar(sum(_bytes(params[rule.megatron]) for rule in rules(family, config)),
+                          "export-hf") as bar:
+            for rule in rules(family, config):
+                weight = reader.read(rule.megatron)
+                for name, tensor in zip(rule.hf, split(rule, weight, config)):
+                    writer.add(name, tensor)
+                bar.update(_bytes(weight))
+                del weight
         writer.finish()
         config.save_pretrained(staging)
         generation = os.path.join(config_from or "", "generation_config.json")

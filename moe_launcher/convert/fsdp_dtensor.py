@@ -99,38 +99,42 @@ def _spec_of(saved: dict, candidates: dict[str, dict[str, list[str]]]) -> str:
                        "partial or of another model")
 
 
-def read_weights(model, path: str) -> str:
-    """Fills the one-rank model from an fsdp_dtensor iteration folder, each tensor read once
-    (cast to the model's dtype); returns the spec whose names it held. Refuses a checkpoint
-    that lacks a parameter, holds one of another shape, or holds model tensors it would drop."""
-    saved = checkpoint_model_tensors(path)
-    candidates = {spec: stored_names(model, spec) for spec in SPECS}
-    spec = _spec_of(saved, candidates)
-    names = candidates[spec]
-    used = {name for stored in names.values() for name in stored}
-    if extra := sorted(set(saved) - used):
-        raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{extra[0]}"
-                           f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} belongs "
-                           "to no parameter of the model its args build: the conversion would "
-                           "drop it")
-    params = model.state_dict()
-    with torch.no_grad():
-        for name, stored in names.items():
-            target = params[name]
-            parts = {MODEL_PREFIX + key: torch.empty(tuple(saved[key].size),
-                                                      dtype=saved[key].properties.dtype)
-                     for key in stored}
-            whole = (tuple(target.shape[:1]) if len(stored) == 1 else
-                     (target.shape[0] // 2,)) + tuple(target.shape[1:])
+class Reader:
+    """The one-rank model's parameters read one at a time from an fsdp_dtensor iteration
+    folder, each saved tensor read once, in the model's dtype. Refuses, on opening, a checkpoint
+    that lacks a parameter, holds one of another shape, or holds model tensors no parameter
+    takes (the conversion would drop them). The model may be on the meta device."""
+
+    def __init__(self, model, path: str):
+        self.path = path
+        self.saved = checkpoint_model_tensors(path)
+        candidates = {spec: stored_names(model, spec) for spec in SPECS}
+        self.spec = _spec_of(self.saved, candidates)
+        self.names = candidates[self.spec]
+        used = {name for stored in self.names.values() for name in stored}
+        if extra := sorted(set(self.saved) - used):
+            raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{extra[0]}"
+                               f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} "
+                               "belongs to no parameter of the model its args build: the "
+                               "conversion would drop it")
+        self.targets = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()
+                        if name in self.names}
+        for name, stored in self.names.items():
+            shape = self.targets[name][0]
+            whole = ((shape[0] // len(stored),) if shape else ()) + shape[1:]
             for key in stored:
-                if tuple(saved[key].size) != whole:
+                if tuple(self.saved[key].size) != whole:
                     raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{key} has shape "
-                                       f"{tuple(saved[key].size)}, the model its args build "
-                                       f"{whole}")
-            dcp.load(parts, checkpoint_id=path, no_dist=True)
-            target.copy_(torch.cat(list(parts.values())) if len(parts) > 1
-                         else next(iter(parts.values())))
-    return spec
+                                       f"{tuple(self.saved[key].size)}, the model its args "
+                                       f"build {whole}")
+
+    def read(self, name: str) -> torch.Tensor:
+        parts = {MODEL_PREFIX + key: torch.empty(tuple(self.saved[key].size),
+                                                  dtype=self.saved[key].properties.dtype)
+                 for key in self.names[name]}
+        dcp.load(parts, checkpoint_id=self.path, no_dist=True)
+        whole = torch.cat(list(parts.values())) if len(parts) > 1 else next(iter(parts.values()))
+        return whole.to(self.targets[name][1])
 
 
 def saved_args(path: str):

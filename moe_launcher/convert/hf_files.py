@@ -1,7 +1,8 @@
 """A Hugging Face model folder on disk: config.json and safetensors, single or sharded with
 `model.safetensors.index.json`. Read tensor by tensor (safetensors' `safe_open` maps the file
-and reads one tensor per call); written shard by shard, each shard on disk before the next is
-collected.
+and reads one tensor per call); written tensor by tensor: the shards are planned from the
+tensors' names, shapes and dtypes, so each shard's safetensors header is written first and each
+tensor's bytes go to disk as it comes, none kept.
 """
 
 from __future__ import annotations
@@ -87,45 +88,83 @@ class HFTensors:
                                f"{', '.join(left[:3])} (a config feature this mapping ignores)")
 
 
-class ShardWriter:
-    """Writes tensors into `model-0000k-of-0000n.safetensors` shards of at most `max_bytes`
-    (a tensor larger than that gets a shard of its own) and the index."""
+# safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
+# naming each tensor's dtype, shape and [begin, end) byte offsets in the data that follows).
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
-    def __init__(self, out_dir: str, max_bytes: int):
-        self.out_dir, self.max_bytes = out_dir, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[list[str]] = []
-        self.total_bytes = 0
+
+class ShardWriter:
+    """Writes the `planned` tensors ((name, shape, dtype), in the order they will be added) into
+    `model-0000k-of-0000n.safetensors` shards of at most `max_bytes` (a tensor larger than that
+    gets a shard of its own) and the index, streaming each tensor's bytes to disk."""
+
+    def __init__(self, out_dir: str, max_bytes: int, planned: list[tuple[str, tuple, torch.dtype]]):
+        self.out_dir, self.planned = out_dir, planned
+        self.shards: list[list[int]] = []  # indices into planned
+        size = 0
+        for index, (_, shape, dtype) in enumerate(planned):
+            nbytes = _nbytes(shape, dtype)
+            if not self.shards or (self.shards[-1] and size + nbytes > max_bytes):
+                self.shards.append([])
+                size = 0
+            self.shards[-1].append(index)
+            size += nbytes
+        self.next = 0  # index of the next tensor to add
+        self.file = None
+
+    def _shard_name(self, k: int) -> str:
+        return f"model-{k + 1:05d}-of-{len(self.shards):05d}.safetensors"
+
+    def _open_shard(self, k: int) -> None:
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for index in self.shards[k]:
+            name, shape, dtype = self.planned[index]
+            nbytes = _nbytes(shape, dtype)
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        self.file = open(os.path.join(self.out_dir, self._shard_name(k)), "wb")
+        self.file.write(len(encoded).to_bytes(8, "little") + encoded)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        save_file(self.pending, os.path.join(self.out_dir, f"shard-{len(self.shards)}.partial"),
-                  metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        expected, shape, dtype = self.planned[self.next]
+        if (name, tuple(tensor.shape), tensor.dtype) != (expected, tuple(shape), dtype):
+            raise RuntimeError(f"the export wrote {name} {tuple(tensor.shape)} {tensor.dtype} "
+                               f"where it planned {expected} {tuple(shape)} {dtype}")
+        shard = next(k for k, indices in enumerate(self.shards) if self.next in indices)
+        if self.next == self.shards[shard][0]:
+            self._open_shard(shard)
+        self.file.write(tensor.detach().contiguous().view(torch.uint8).numpy().data)
+        if self.next == self.shards[shard][-1]:
+            self.file.close()
+        self.next += 1
 
     def finish(self) -> None:
-        if self.pending:
-            self._flush()
-        count, weight_map = len(self.shards), {}
-        for k, names in enumerate(self.shards):
-            final = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
-            os.rename(os.path.join(self.out_dir, f"shard-{k}.partial"),
-                      os.path.join(self.out_dir, final))
-            weight_map.update(dict.fromkeys(names, final))
+        if self.next != len(self.planned):
+            raise RuntimeError(f"the export wrote {self.next} of {len(self.planned)} tensors")
+        weight_map = {self.planned[index][0]: self._shard_name(k)
+                      for k, indices in enumerate(self.shards) for index in indices}
+        total = sum(_nbytes(shape, dtype) for _, shape, dtype in self.planned)
         with open(os.path.join(self.out_dir, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": self.total_bytes},
+            json.dump({"metadata": {"total_size": total},
                        "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+
+
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty(0, dtype=dtype).element_size()
+
+
+def progress_bar(total_bytes: int, what: str):
+    """tqdm on stderr for a conversion that runs past a few seconds (none before)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=f"convert: {what}", unit="B", unit_scale=True,
+                delay=3, leave=False)
 
 
 def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:

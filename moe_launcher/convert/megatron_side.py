@@ -199,18 +199,59 @@ def saved_args(path: str):
     return args
 
 
-def load_into(model, path: str) -> None:
-    """The model's tensors (the optimizer's are left on disk), resharded from the saved layout
-    to this rank's: megatron's dist_checkpointing load for torch_dist, a DCP read of each global
-    tensor for fsdp_dtensor."""
-    from megatron.core import dist_checkpointing, parallel_state
+class _TorchDistReader:
+    """A torch_dist checkpoint's tensors for the one-rank model, read by megatron's
+    dist_checkpointing (resharded from the saved layout) in one load at the first read: in a
+    one-rank world megatron cannot load part of a stacked layer tensor (its torch ShardedTensor
+    takes every chunk it does not load for this rank's own), so the whole model is held; the
+    fsdp_dtensor reader streams. The model may be on the meta device."""
 
+    spec = "torch_dist"
+
+    def __init__(self, model, path: str):
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        self.path = path
+        metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
+        metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(
+            with_context_parallel=True)
+        self.entries = {name: entry for name, entry in
+                        model.sharded_state_dict(metadata=metadata).items()
+                        if not isinstance(entry, ShardedObject)}  # TE's _extra_state
+        self.loaded = None
+
+    @property
+    def names(self):
+        return self.entries.keys()
+
+    def read(self, name: str) -> torch.Tensor:
+        from megatron.core import dist_checkpointing
+
+        if self.loaded is None:
+            for entry in self.entries.values():
+                if entry.data.is_meta:
+                    entry.data = torch.empty(entry.data.shape, dtype=entry.data.dtype)
+            self.loaded = dist_checkpointing.load({"model": self.entries}, self.path)["model"]
+        return self.loaded[name]
+
+
+def open_reader(model, path: str):
+    """The checkpoint's tensors for the one-rank model (which may be on the meta device): an
+    object with `spec`, `names` and `read(name)`, reading as little at a time as the format
+    allows."""
     if checkpoint_format(path) == "fsdp_dtensor":
-        spec = fsdp_dtensor.read_weights(model, path)
-        print(f"convert: read the fsdp_dtensor checkpoint {path} (module names of the {spec} "
-              "spec)", flush=True)
-        return
-    metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
-    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(metadata=metadata)}, path)
-    model.load_state_dict(loaded["model"], strict=True)
+        return fsdp_dtensor.Reader(model, path)
+    return _TorchDistReader(model, path)
+
+
+def load_into(model, path: str) -> None:
+    """Every tensor of the model from the checkpoint (the optimizer's are left on disk)."""
+    reader = open_reader(model, path)
+    params = model.state_dict()
+    if missing := [name for name in params
+                   if name not in reader.names and not name.endswith("_extra_state")]:
+        raise ConvertError(f"{path} holds no {missing[0]} for the model its args build")
+    with torch.no_grad():
+        for name in reader.names:
+            params[name].copy_(reader.read(name))
