@@ -25,7 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(folder: str, layers: int, hidden: int, experts: int) -> tuple[int, int]:
-    """Saves the model; returns its bytes and its largest tensor's."""
+    """Saves the model, in a process of its own; returns its bytes and its largest tensor's.
+    (Made in this process it would stay resident here, and a child's peak RSS, which Linux
+    counts from the fork, would include it.)"""
+    done = subprocess.run([sys.executable, __file__, "--make", folder, str(layers), str(hidden),
+                           str(experts)], cwd=ROOT, capture_output=True, text=True, check=True)
+    size, largest = map(int, done.stdout.split()[-2:])
+    return size, largest
+
+
+def _make_model(folder: str, layers: int, hidden: int, experts: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -37,7 +46,7 @@ def make_model(folder: str, layers: int, hidden: int, experts: int) -> tuple[int
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="200MB")
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    return sum(sizes), max(sizes)
+    print(sum(sizes), max(sizes))
 
 
 def timed(*argv: str) -> tuple[float, int]:
@@ -66,6 +75,10 @@ def bench(layers: int, hidden: int, experts: int) -> tuple[int, int, dict]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--make"]:
+        folder, *sizes = sys.argv[2:]
+        _make_model(folder, *map(int, sizes))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)

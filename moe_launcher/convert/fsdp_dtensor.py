@@ -129,12 +129,14 @@ class Reader:
                                        f"build {whole}")
 
     def read(self, name: str) -> torch.Tensor:
-        parts = {MODEL_PREFIX + key: torch.empty(tuple(self.saved[key].size),
-                                                  dtype=self.saved[key].properties.dtype)
-                 for key in self.names[name]}
+        shape, dtype = self.targets[name]
+        whole = torch.empty(shape, dtype=dtype)
+        # DCP copies each saved chunk into its place, casting (Megatron-FSDP saves fp32 main
+        # weights): the halves of a SwiGLU fc1 land in their rows, no other copy is made.
+        parts = dict(zip((MODEL_PREFIX + key for key in self.names[name]),
+                         whole.chunk(len(self.names[name]))))
         dcp.load(parts, checkpoint_id=self.path, no_dist=True)
-        whole = torch.cat(list(parts.values())) if len(parts) > 1 else next(iter(parts.values()))
-        return whole.to(self.targets[name][1])
+        return whole
 
 
 def saved_args(path: str):

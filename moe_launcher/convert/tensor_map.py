@@ -96,8 +96,8 @@ def hf_shapes(rule: Rule, target: tuple[int, ...], config) -> list[tuple[int, ..
 
 
 def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
-    """The HF tensors of `rule` from its megatron parameter (contiguous copies, safetensors
-    writes no views)."""
+    """The HF tensors of `rule` from its megatron parameter, contiguous (views of it where its
+    rows already are: the export writes each one's bytes as it comes)."""
     if rule.layout == COPY:
         parts = [param]
     elif rule.layout == GATE_UP:
@@ -110,7 +110,7 @@ def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
         q, k, v = param.reshape(groups, (per_group + 2) * dim, hidden).split(
             [per_group * dim, dim, dim], dim=1)
         parts = [t.reshape(-1, hidden) for t in (q, k, v)]
-    return [part.detach().clone().contiguous() for part in parts]
+    return [part.detach().contiguous() for part in parts]
 
 
 def unmapped(names, family: Family, config) -> list[str]:
