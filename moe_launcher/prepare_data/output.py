@@ -9,6 +9,7 @@ PREFIX.prepare_data.json records what made it (moe_launcher/dataset_record.py)."
 
 from __future__ import annotations
 
+import array
 import os
 
 import numpy
@@ -48,6 +49,11 @@ class DatasetWriter:
 
         self.prefix = prefix
         self.builder = IndexedDatasetBuilder(prefix + ".bin" + PARTIAL, dtype=dtype)
+        # The builder keeps every sequence's length and every document's end in Python lists,
+        # ~36 bytes an entry for the whole run; int64 arrays hold the same values in 8 bytes,
+        # and its index writer reads them alike (numpy.array of either).
+        self.builder.sequence_lengths = array.array("q")
+        self.builder.document_indices = array.array("q", [0])
         self.record = record  # what made it (moe_launcher/dataset_record.py)
         self.largest = -1  # the largest token id written
 

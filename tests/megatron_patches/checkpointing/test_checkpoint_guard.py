@@ -176,6 +176,16 @@ def test_launcher_saves_complete_etp2_checkpoint_and_refuses_a_damaged_resume(tm
         assert "[megatron_patches] refusing to load" in errors[0] and f"{FC1}: {problem}" in errors[0]
         assert "iteration        3/" not in refused.log
 
+    # The comment above, run: without the load guard megatron-core 0.19.2 resumes from the
+    # checkpoint with holes and trains on, exit 0, nothing said.
+    unguarded = launch(2, [*TINY_MODEL, *ETP2, "--train-iters", "4", "--load", str(holes)],
+                       env={"MEGATRON_PATCHES_DISABLE": "checkpoint-load-guard"}, timeout=300)
+    assert "checkpoint-load-guard: skipped (disabled by MEGATRON_PATCHES_DISABLE)" in unguarded.log
+    assert unguarded.returncode == 0, unguarded.log[-4000:]
+    assert "iteration        3/" in unguarded.log
+    assert not any(word in unguarded.log for word in ("pretrain_moe: error", "Traceback",
+                                                       "refusing to load"))
+
     resumed = launch_etp2(["--train-iters", "4", "--load", str(good)])
     assert resumed.returncode == 0, resumed.log[-4000:]
     assert "iteration        3/" in resumed.log and "iteration        4/" in resumed.log
