@@ -9,7 +9,8 @@ Hugging Face folder, vocabulary 32000). Throughput is tokens over the seconds th
 summary reports (workers started to output committed): megatron's import, paid once per run
 whatever the corpus, is left out. Peak memory is the command's process tree (parent + workers,
 PSS), sampled; the n-worker run is repeated on a quarter of the corpus to show it does not grow
-with the input. Goal: scaling >= 0.8, and per-worker throughput no lower than the plain loop.
+with the input. Goal: scaling >= 0.8, per-worker throughput no lower than the plain loop, and
+3x Megatron-LM's tool method at the same workers (issue 38; not met).
 """
 
 from __future__ import annotations
@@ -86,6 +87,48 @@ print(tokens / spent)
     return float(done.stdout.split()[-1])
 
 
+def tool_method(corpus: Path, tokenizer: Path, prefix: Path, workers: int) -> float:
+    """tokens/s of Megatron-LM's tools/preprocess_data.py method, written here from its
+    behaviour: a Pool of `workers` processes, each loading the tokenizer once, mapped over the
+    lines with imap (chunksize 32), one json.loads and one tokenize per document plus EOD; the
+    parent adds each document to megatron's IndexedDatasetBuilder and writes the index. Timed
+    from the pool's start to the index written (the tokenizer's and megatron's import left out,
+    as in prepare_data's summary)."""
+    code = f"""
+import json, multiprocessing, os, time
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+import numpy
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from moe_launcher.prepare_data.tokenizer import load_tokenizer
+
+def start():
+    global tokenizer
+    tokenizer = load_tokenizer({str(tokenizer)!r})
+
+def encode(line):
+    ids = tokenizer.text_to_ids(json.loads(line)["text"])
+    if ids:
+        ids.append(tokenizer.eod)
+    return ids
+
+if __name__ == "__main__":
+    vocabulary = load_tokenizer({str(tokenizer)!r}).vocab_size
+    dtype = numpy.uint16 if vocabulary < 65500 else numpy.int32
+    began = time.perf_counter()
+    builder = IndexedDatasetBuilder({str(prefix) + ".bin"!r}, dtype=dtype)
+    tokens = 0
+    with open({str(corpus)!r}, "rb") as f, multiprocessing.Pool({workers}, initializer=start) as pool:
+        for ids in pool.imap(encode, f, 32):
+            builder.add_document(ids, [len(ids)] if ids else [])
+            tokens += len(ids)
+    builder.finalize({str(prefix) + ".idx"!r})
+    print(tokens / (time.perf_counter() - began))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return float(done.stdout.split()[-1])
+
+
 def prepare(inputs: list[Path], tokenizer: Path, prefix: Path, workers: int) -> dict:
     """One run of the command: its tokens, seconds (from its summary) and the peak of its
     process tree's memory, as PSS (forked workers share the parent's pages; RSS would count
@@ -134,6 +177,7 @@ def main() -> None:
               f" tokenizer: byte-level BPE, vocabulary 32000; cores: {os.cpu_count()}",
               flush=True)
         plain = plain_loop(corpus, tokenizer)
+        tool = tool_method(corpus, tokenizer, root / "tool", n)
         one = prepare([corpus], tokenizer, root / "one", 1)
         many = prepare([corpus], tokenizer, root / "many", n)
         small = prepare([quarter], tokenizer, root / "small", n)
@@ -142,6 +186,8 @@ def main() -> None:
         print(f"tokens/s at 1 worker: {a:,.0f}, at {n} workers: {b:,.0f}, scaling {b / a / n:.2f}")
         print(f"per worker vs the plain loop: at 1 worker x{a / plain:.2f}, "
               f"at {n} workers x{b / n / plain:.2f}")
+        print(f"tokens/s ours / tool-method at {n} workers: {b / tool:.2f} (tool method "
+              f"{tool:,.0f} tokens/s; goal 3)")
         print("load average (1, 5, 15 min) at the end: %.1f %.1f %.1f (another load on the "
               "machine skews the scaling)" % os.getloadavg())
         print(f"peak RSS (PSS of parent + workers): 1 worker {one['pss']:.0f} MiB, {n} workers "
