@@ -7,9 +7,9 @@ command lines one after the other: import-hf, export-hf of that torch_dist check
 to-fsdp-dtensor, and export-hf of the fsdp_dtensor one. For each: wall time, throughput (model
 bytes per second) and peak resident memory over a tiny model's run of the same command (the
 process's own cost), as a multiple of the model's bytes and of its largest tensor. export-hf
-streams from fsdp_dtensor (one parameter read at a time, each safetensors tensor written as it
-comes: goal <= 2x the largest tensor); import-hf, to-fsdp-dtensor and export-hf from torch_dist
-hold the whole model (megatron builds in fp32, so a bf16 model costs 1.5-2x its bytes).
+streams from either format (one parameter read at a time, each safetensors tensor written as it
+comes: goal <= 2x the largest tensor); import-hf and to-fsdp-dtensor hold the whole model
+(megatron builds in fp32, so a bf16 model costs 1.5-2x its bytes, to-fsdp-dtensor more).
 """
 
 from __future__ import annotations

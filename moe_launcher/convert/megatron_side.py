@@ -199,41 +199,110 @@ def saved_args(path: str):
     return args
 
 
+class _RegionPlanner:
+    """A torch DCP load plan that reads given regions of saved tensors, each into its own
+    tensor: (saved key, the region's offsets in the saved global tensor, the target, whose
+    shape is the region's). DCP reads only the saved chunks that overlap a region."""
+
+    def __init__(self, regions: list[tuple[str, tuple[int, ...], torch.Tensor]]):
+        self.regions = regions
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import (
+            create_read_items_for_chunk_list,
+        )
+
+        self.targets, requests = {}, []
+        for key, offsets, target in self.regions:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=target.shape)
+            self.targets[key, tuple(offsets)] = target
+            requests += create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(requests)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def resolve_tensor(self, read_item):
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        target = self.targets[read_item.dest_index.fqn, tuple(read_item.dest_index.offset)]
+        return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item, value) -> None:
+        raise AssertionError(f"a region read asked for {read_item.dest_index.fqn}'s bytes")
+
+
 class _TorchDistReader:
-    """A torch_dist checkpoint's tensors for the one-rank model, read by megatron's
-    dist_checkpointing (resharded from the saved layout) in one load at the first read: in a
-    one-rank world megatron cannot load part of a stacked layer tensor (its torch ShardedTensor
-    takes every chunk it does not load for this rank's own), so the whole model is held; the
-    fsdp_dtensor reader streams. The model may be on the meta device."""
+    """A torch_dist checkpoint's tensors for the one-rank model, one parameter at a time: where
+    megatron's own sharded state dict of the model (its keys, global offsets and shapes; the
+    SwiGLU factory's two halves) puts each parameter in the saved global tensors, that region is
+    read by torch DCP (only the chunks it overlaps). Rows megatron lets differ in number
+    (`allow_shape_mismatch`: the vocabulary padding of another TP) are read as far as both
+    have them, the rest left zero. The model may be on the meta device."""
 
     spec = "torch_dist"
 
     def __init__(self, model, path: str):
         from megatron.core import dist_checkpointing, parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedObject
+        from torch.distributed.checkpoint import FileSystemReader
 
-        self.path = path
         metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
         metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(
             with_context_parallel=True)
         self.entries = {name: entry for name, entry in
                         model.sharded_state_dict(metadata=metadata).items()
                         if not isinstance(entry, ShardedObject)}  # TE's _extra_state
-        self.loaded = None
+        self.storage = FileSystemReader(path)
+        self.saved = self.storage.read_metadata()
+        self.storage.read_metadata = lambda: self.saved  # read once, not once per parameter
 
     @property
     def names(self):
         return self.entries.keys()
 
-    def read(self, name: str) -> torch.Tensor:
-        from megatron.core import dist_checkpointing
+    def _region(self, shard, target: torch.Tensor):
+        """(key, offsets, the part of `target` the checkpoint has) for one ShardedTensor whose
+        data is `target`."""
+        shape = (1,) * shard.prepend_axis_num + tuple(shard.local_shape)
+        view = target.view(shape)
+        saved = tuple(self.saved.state_dict_metadata[shard.key].size)
+        sizes = [min(size, have - offset)
+                 for size, have, offset in zip(shape, saved, shard.global_offset)]
+        for dim, size in enumerate(sizes):
+            view = view.narrow(dim, 0, size)
+        return shard.key, tuple(shard.global_offset), view
 
-        if self.loaded is None:
-            for entry in self.entries.values():
-                if entry.data.is_meta:
-                    entry.data = torch.empty(entry.data.shape, dtype=entry.data.dtype)
-            self.loaded = dist_checkpointing.load({"model": self.entries}, self.path)["model"]
-        return self.loaded[name]
+    def read(self, name: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        entry = self.entries[name]
+        target = torch.zeros(entry.data.shape, dtype=entry.data.dtype)
+        if isinstance(entry, ShardedTensorFactory):  # its shards are views of its data
+            meta, entry.data = entry.data, target
+            try:
+                built = entry.build()
+            finally:
+                entry.data = meta
+            shards = built if isinstance(built, list) else [built]  # SwiGLU: its w and v
+            regions = [self._region(shard, shard.data) for shard in shards]
+        else:
+            regions = [self._region(entry, target)]
+        dcp.load({}, storage_reader=self.storage, planner=_RegionPlanner(regions), no_dist=True)
+        return target
 
 
 def open_reader(model, path: str):
