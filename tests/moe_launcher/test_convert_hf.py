@@ -305,6 +305,33 @@ def _qwen_like_tokenizer(folder: Path) -> list[str]:
     return texts
 
 
+def _assert_streamed_equals_megatrons_load(ckpt: Path) -> None:
+    """export-hf's torch_dist reader (each parameter's region of the saved global tensors, read
+    by torch DCP where megatron's sharded state dict of a meta-device model puts it) gives every
+    parameter exactly as megatron's own whole-model dist_checkpointing load, resharded to one
+    rank, gives it."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from moe_launcher.convert import megatron_side
+
+    megatron_side.start()
+    path = megatron_side.iteration_dir(str(ckpt), None)
+    config = megatron_side.world_one_config(megatron_side.saved_args(path))
+    model = megatron_side.build(config)
+    metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
+    metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    model.load_state_dict(dist_checkpointing.load(
+        {"model": model.sharded_state_dict(metadata=metadata)}, path)["model"], strict=True)
+    with torch.device("meta"):
+        meta = megatron_side.build(config)
+    reader = megatron_side.open_reader(meta, path)
+    reference = model.state_dict()
+    assert reader.spec == "torch_dist" and len(reader.names) > 20
+    different = [name for name in reader.names if not torch.equal(reader.read(name),
+                                                                   reference[name])]
+    assert not different, different[:3]
+
+
 def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conversions,
                                                                    tmp_path):
     """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
@@ -327,7 +354,8 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
     _periodic_corpus(prefix, tokens)
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
-    logged = _first_loss(ckpt, prefix, tmp_path, tp2)
+    logged = _first_loss(ckpt, prefix, tmp_path, tp2, save=True)
+    _assert_streamed_equals_megatrons_load(tmp_path / "trained")
     at_tp1 = _first_loss(ckpt, prefix, tmp_path / "tp1",  # DP2: a micro-batch per rank
                          ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"],
                          save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
