@@ -1,8 +1,10 @@
 """megatron in the converter's process: a gloo world of one rank with every parallel size 1,
 the launcher's patches and platform defaults (megatron's local spec, CPU initialisation), and
 the GPTModel megatron's own builder makes from a validated command line or from the args saved
-in a checkpoint. Saving and loading go through megatron's dist_checkpointing, as the launcher's
-do: what this process writes at TP1 any layout loads, and it loads any layout's checkpoint.
+in a checkpoint. Saving goes through megatron's dist_checkpointing, as the launcher's does: what
+this process writes at TP1 any layout loads. Reading takes one parameter at a time from any
+layout's checkpoint: where megatron's sharded state dict of the model puts it in the saved
+global tensors (torch_dist), or its fsdp_dtensor chunks, read by torch DCP.
 """
 
 from __future__ import annotations
