@@ -10,6 +10,8 @@ finish.
 
 from __future__ import annotations
 
+import torch
+
 from . import fsdp_dtensor, megatron_side
 from .errors import ConvertError
 from .staging import check_target, staged_folder
@@ -20,20 +22,21 @@ _WEIGHTS_ONLY = ("model weights only: a run that loads it starts at iteration 0,
 
 
 def _source(ckpt_dir: str, iteration: int | None, wanted: str):
+    """The checkpoint's iteration folder and saved args, once it is checked to be `wanted`."""
     path = megatron_side.iteration_dir(ckpt_dir, iteration)
     found = megatron_side.checkpoint_format(path)
     if found != wanted:
         raise ConvertError(f"{path} is a {found} checkpoint, not {wanted}")
     megatron_side.start()
-    args = megatron_side.saved_args(path)
-    model = megatron_side.build(megatron_side.world_one_config(args))
-    megatron_side.load_into(model, path)
-    return model, args
+    return path, megatron_side.saved_args(path)
 
 
 def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
     check_target(out_dir)
-    model, args = _source(ckpt_dir, iteration, "fsdp_dtensor")
+    path, args = _source(ckpt_dir, iteration, "fsdp_dtensor")
+    # megatron's dist_checkpointing saves from the model itself: built, then filled.
+    model = megatron_side.build(megatron_side.world_one_config(args))
+    megatron_side.load_into(model, path)
     with staged_folder(out_dir) as staging:
         megatron_side.save_release(model, megatron_side.world_one_args(args), staging)
     print(f"convert: to-torch-dist: {_WEIGHTS_ONLY}", flush=True)
@@ -41,9 +44,12 @@ def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
 
 def to_fsdp_dtensor(ckpt_dir: str, out_dir: str, iteration: int | None, spec: str) -> None:
     check_target(out_dir)
-    model, args = _source(ckpt_dir, iteration, "torch_dist")
+    path, args = _source(ckpt_dir, iteration, "torch_dist")
+    with torch.device("meta"):  # names and shapes: each weight is read as it is written
+        model = megatron_side.build(megatron_side.world_one_config(args))
+    reader = megatron_side.open_reader(model, path)
     with staged_folder(out_dir) as staging:
-        fsdp_dtensor.save_release(model, megatron_side.world_one_args(args, "fsdp_dtensor"),
-                                  staging, spec)
+        fsdp_dtensor.save_release(model, reader.read,
+                                  megatron_side.world_one_args(args, "fsdp_dtensor"), staging, spec)
     print(f"convert: to-fsdp-dtensor: module names of the {spec} spec (a run with "
           f"--transformer-impl {spec} loads it); {_WEIGHTS_ONLY}", flush=True)

@@ -152,14 +152,14 @@ def saved_args(path: str):
     return state["args"]
 
 
-def save_release(model, args, ckpt_root: str, spec: str) -> None:
-    """`ckpt_root/release` in fsdp_dtensor (model weights in fp32, Megatron-FSDP's main-weight
-    dtype, named as a run of `spec` asks for them) and a tracker naming it. megatron's load then
-    takes iteration 0 and no optimizer, scheduler or RNG state, as for import-hf's torch_dist."""
-    params = model.state_dict()
+def save_release(model, read, args, ckpt_root: str, spec: str) -> None:
+    """`ckpt_root/release` in fsdp_dtensor (each parameter, `read(name)`, in fp32, Megatron-FSDP's
+    main-weight dtype, named as a run of `spec` asks for them) and a tracker naming it; `model`
+    (it may be on the meta device) gives the names. megatron's load then takes iteration 0 and no
+    optimizer, scheduler or RNG state, as for import-hf's torch_dist."""
     tensors = {}
     for name, stored in stored_names(model, spec).items():
-        weight = params[name].detach().to(torch.float32)
+        weight = read(name).to(torch.float32)  # no copy of an fp32 weight
         for key, part in zip(stored, weight.chunk(len(stored))):
             tensors["module." + key] = part.contiguous()
     release = os.path.join(ckpt_root, "release")
