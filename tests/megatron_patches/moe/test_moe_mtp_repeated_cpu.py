@@ -6,6 +6,8 @@ layers + mtp_num_layers, and applies the full z-loss gradient once per depth: wi
 out (megatron's own TopKRouter.apply_z_loss) the MTP router's gradient is DEPTHS times the one
 of the logged z-loss."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,3 +101,37 @@ def test_repeated_mtp_router_z_loss_gradient_is_divided_by_the_depths(patched, m
           f"{router.weight.grad.norm():.4g}, of the logged z-loss {expected.norm():.4g}")
     assert expected.norm() > 0
     torch.testing.assert_close(router.weight.grad, applied)
+
+
+@pytest.mark.slow
+def test_launched_without_the_patch_the_mtp_router_z_loss_gradient_is_depths_times(tmp_path):
+    """The same through pretrain_moe.py (1 rank, fp32, aux loss off): the z-loss's share of the
+    repeated MTP router's weight gradient (the run with --moe-z-loss-coeff minus the run
+    without; z-loss changes no forward value, and the decoder routers' z-loss reaches no MTP
+    weight) is, with MEGATRON_PATCHES_DISABLE=moe-mtp-repeated-z-loss, DEPTHS times the
+    patched run's."""
+    from _launch import TINY_MODEL, launch
+
+    flags = [a for a in TINY_MODEL if a != "--bf16"]
+    flags[flags.index("--moe-aux-loss-coeff") + 1] = "0"
+    flags += ["--mtp-num-layers", str(DEPTHS), "--mtp-use-repeated-layer", "--train-iters", "1"]
+    observed = Path(__file__).resolve().parents[3] / "tests" / "_observed_launch.py"
+
+    def mtp_router_grads(tag: str, coeff: str, env: dict | None = None) -> dict:
+        folder = tmp_path / tag
+        folder.mkdir()
+        run = launch(1, [*flags, "--moe-z-loss-coeff", coeff], script=observed,
+                     env={"GRAD_DIR": str(folder), "GRAD_NAMES": r"mtp\..*router\.weight",
+                          **(env or {})}).check()
+        grads = torch.load(folder / "grads_rank0.pt")
+        assert grads, run.log[-3000:]
+        return grads
+
+    without = mtp_router_grads("without", "0")
+    patched = mtp_router_grads("patched", "1e-1")
+    unpatched = mtp_router_grads("unpatched", "1e-1",
+                                 {"MEGATRON_PATCHES_DISABLE": "moe-mtp-repeated-z-loss"})
+    for name, base in without.items():
+        share, megatron = patched[name] - base, unpatched[name] - base
+        assert share.norm() > 1e-3 * base.norm(), name  # the z-loss moves the gradient
+        torch.testing.assert_close(megatron, DEPTHS * share, rtol=1e-4, atol=1e-7)
