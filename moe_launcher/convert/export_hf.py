@@ -29,10 +29,6 @@ TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _TRAINING_KEYS = {"dtype", "attention_dropout", "initializer_range", "router_aux_loss_coef"}
 
 
-def _bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _source_config(config_from: str, family, derived: dict) -> dict:
     """config_from's config.json, once it describes the checkpoint's model: its architecture
     and every derived key but the training settings equal."""
@@ -98,20 +94,21 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
           f"checkpoint's args compute ({', '.join(f'{k}={v}' for k, v in family.marks.items())})",
           flush=True)
     reader = megatron_side.open_reader(model, path)
-    planned = [(name, shape, params[rule.megatron].dtype) for rule in rules(family, config)
+    mapping = rules(family, config)
+    planned = [(name, shape, params[rule.megatron].dtype) for rule in mapping
                for name, shape in zip(rule.hf, hf_shapes(rule, params[rule.megatron].shape,
                                                          config))]
     with staged_folder(out_dir) as staging:
         if tokenizer:
             copy_tokenizer(tokenizer, staging)
         writer = ShardWriter(staging, max_shard_bytes, planned)
-        with progress_bar(sum(_bytes(params[rule.megatron]) for rule in rules(family, config)),
+        with progress_bar(sum(params[rule.megatron].nbytes for rule in mapping),
                           "export-hf") as bar:
-            for rule in rules(family, config):
+            for rule in mapping:
                 weight = reader.read(rule.megatron)
                 for name, tensor in zip(rule.hf, split(rule, weight, config)):
                     writer.add(name, tensor)
-                bar.update(_bytes(weight))
+                bar.update(weight.nbytes)
                 del weight
         writer.finish()
         config.save_pretrained(staging)

@@ -8,6 +8,7 @@ tensor's bytes go to disk as it comes, none kept.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -101,6 +102,7 @@ class ShardWriter:
     def __init__(self, out_dir: str, max_bytes: int, planned: list[tuple[str, tuple, torch.dtype]]):
         self.out_dir, self.planned = out_dir, planned
         self.shards: list[list[int]] = []  # indices into planned
+        self.shard_of: list[int] = []  # each planned tensor's shard
         size = 0
         for index, (_, shape, dtype) in enumerate(planned):
             nbytes = _nbytes(shape, dtype)
@@ -108,6 +110,7 @@ class ShardWriter:
                 self.shards.append([])
                 size = 0
             self.shards[-1].append(index)
+            self.shard_of.append(len(self.shards) - 1)
             size += nbytes
         self.next = 0  # index of the next tensor to add
         self.file = None
@@ -133,7 +136,7 @@ class ShardWriter:
         if (name, tuple(tensor.shape), tensor.dtype) != (expected, tuple(shape), dtype):
             raise RuntimeError(f"the export wrote {name} {tuple(tensor.shape)} {tensor.dtype} "
                                f"where it planned {expected} {tuple(shape)} {dtype}")
-        shard = next(k for k, indices in enumerate(self.shards) if self.next in indices)
+        shard = self.shard_of[self.next]
         if self.next == self.shards[shard][0]:
             self._open_shard(shard)
         self.file.write(tensor.detach().contiguous().view(torch.uint8).numpy().data)
@@ -153,10 +156,7 @@ class ShardWriter:
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def progress_bar(total_bytes: int, what: str):

@@ -170,16 +170,24 @@ def iteration_dir(ckpt_root: str, iteration: int | None) -> str:
     return path
 
 
-def checkpoint_format(path: str) -> str:
-    """"torch_dist" or "fsdp_dtensor", judged from the files alone; refuses anything else and a
-    checkpoint whose files are missing or short."""
-    from moe_launcher.checkpoint_files.file_checks import file_problems
+def _backend(path: str) -> str | None:
+    """"torch_dist" or "fsdp_dtensor" as the folder's files name it (None: neither)."""
     from moe_launcher.checkpoint_files.metadata import saved_backend
 
     backend = saved_backend(path)
     if backend is None and not os.path.exists(os.path.join(path, "metadata.json")) and \
             os.path.isfile(os.path.join(path, ".metadata")):
         backend = "fsdp_dtensor"  # torch DCP files without megatron's metadata.json
+    return backend
+
+
+def checkpoint_format(path: str) -> str:
+    """"torch_dist" or "fsdp_dtensor", judged from the files alone; refuses anything else and a
+    checkpoint whose files are missing or short. The conversions call it once, before any work;
+    saved_args and open_reader then only tell the two formats apart."""
+    from moe_launcher.checkpoint_files.file_checks import file_problems
+
+    backend = _backend(path)
     if backend not in ("torch_dist", "fsdp_dtensor"):
         raise ConvertError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint "
                            f"(sharded_backend {backend!r})")
@@ -193,7 +201,7 @@ def saved_args(path: str):
     """The args a checkpoint was saved with."""
     from megatron.core import dist_checkpointing
 
-    if checkpoint_format(path) == "fsdp_dtensor":
+    if _backend(path) == "fsdp_dtensor":
         return fsdp_dtensor.saved_args(path)
     args = dist_checkpointing.load_common_state_dict(path).get("args")
     if args is None:
@@ -311,7 +319,7 @@ def open_reader(model, path: str):
     """The checkpoint's tensors for the one-rank model (which may be on the meta device): an
     object with `spec`, `names` and `read(name)`, reading as little at a time as the format
     allows."""
-    if checkpoint_format(path) == "fsdp_dtensor":
+    if _backend(path) == "fsdp_dtensor":
         return fsdp_dtensor.Reader(model, path)
     return _TorchDistReader(model, path)
 
