@@ -11,9 +11,10 @@ So `python -m moe_launcher.convert to-fsdp-dtensor`'s output (an import, or anot
 weights) could not start a Megatron-FSDP run without extra flags. Targets 0.19.x (read and
 tested on 0.19.2).
 
-The fix: for the duration of a load whose tracker (no --ckpt-step) names `release`, megatron's
-load sees `--no-load-optim --no-load-rng`, which is what megatron's release handling amounts to
-on the torch_dist path; the weights then refresh the main weights (fsdp-model-to-main-weights).
+The fix: for the duration of a load that reads `release` (the tracker names it; --ckpt-step
+names an iteration instead), megatron's load sees `--no-load-optim --no-load-rng`, which is what
+megatron's release handling amounts to on the torch_dist path; the weights then refresh the
+main weights (fsdp-model-to-main-weights).
 
 Needed where the fsdp_dtensor branch of load_checkpoint does not look at `release` before it
 asks for the optimizer state.
@@ -53,15 +54,15 @@ def _not_needed_because(context: PatchContext) -> str | None:
 
 
 def _loads_a_release(margs) -> bool:
-    from moe_launcher.checkpoint_files.commit_protocol import read_tracker
+    from moe_launcher.checkpoint_files.commit_protocol import loaded_dirname
     from moe_launcher.runtime.refusals import CheckpointLoadError
 
-    if getattr(margs, "ckpt_format", None) != "fsdp_dtensor" or getattr(margs, "ckpt_step", None):
+    if getattr(margs, "ckpt_format", None) != "fsdp_dtensor":
         return False
     if not margs.load or not os.path.isdir(margs.load):
         return False
     try:
-        return read_tracker(margs.load) == "release"
+        return loaded_dirname(margs.load, getattr(margs, "ckpt_step", None)) == "release"
     except CheckpointLoadError:
         return False  # the load checks refuse it
 
