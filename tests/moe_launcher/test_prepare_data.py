@@ -388,7 +388,9 @@ def test_killed_run_leaves_no_complete_output(corpus, tmp_path):
     reader.start()
     try:
         deadline = time.monotonic() + 120
-        while not (partial.exists() and partial.stat().st_size > 200_000):
+        # tqdm redraws at most every 0.1 s: wait for a drawn rate as well as for written output.
+        while not (partial.exists() and partial.stat().st_size > 200_000
+                   and b"tokens/s" in b"".join(shown)):
             assert proc.poll() is None and time.monotonic() < deadline, b"".join(shown)[-2000:]
             time.sleep(0.05)
         workers = psutil.Process(proc.pid).children()
