@@ -307,3 +307,23 @@ def test_damaged_checkpoint_is_refused_on_every_rank(damage, good_checkpoint, tm
     else:
         assert run.exit_codes == [1, 1], run.log[-3000:]  # each rank stopped by itself
     print(f"\n[failsafe] damage {damage}: refused on both ranks in {seconds:.0f}s")
+
+
+def test_unpatched_truncated_checkpoint_fails_mid_load_naming_nothing(good_checkpoint, tmp_path):
+    """The same truncated file with checkpoint-load-integrity left out (megatron-core 0.19.2 as
+    shipped): torch's reader hits the end of the file inside the load, on the rank that reads
+    it; every rank dies with a traceback whose error names neither the checkpoint nor the file."""
+    save = tmp_path / "ckpt"
+    shutil.copytree(good_checkpoint, save)
+    _truncate(save)
+    run = launch(2, resume_args(save), timeout=240, torchrun=True,
+                 env={"MEGATRON_PATCHES_DISABLE": "checkpoint-load-integrity"})
+    (tmp_path / "run.log").write_text(run.log)
+    assert "checkpoint-load-integrity: skipped (disabled by MEGATRON_PATCHES_DISABLE)" in run.log
+    assert run.returncode != 0 and "iteration        3/" not in run.log, run.log[-3000:]
+    assert refusals(run.log) == [], run.log[-3000:]
+    assert "torch.distributed.checkpoint.api.CheckpointException" in run.log, run.log[-4000:]
+    errors = [line for line in run.log.splitlines()
+              if re.match(r"\[rank\d\]: [\w.]*(Error|Exception)\b", line)]
+    assert any(line.endswith("EOFError") for line in errors), run.log[-4000:]
+    assert not [line for line in errors if str(save) in line or ".distcp" in line], errors
