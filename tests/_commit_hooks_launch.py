@@ -7,6 +7,11 @@ COMMIT_HOOK=<point>:<dirname>:<action>
           write_tracker  the staged directory is renamed into place, the tracker is not written
           remove_retired the tracker names the new iteration; the older one megatron's
                          --save-retain-interval drops is moved aside, not yet removed
+          megatron_tracker_write
+                         megatron's own in-place tracker write (`open(tracker, "w")` in
+                         save_checkpoint): the file is truncated, the iteration not yet
+                         written. Hooked at megatron's call site, so it is there with the
+                         patch left out too; with the patch that file is a scratch copy
   dirname the iteration directory the hooked call is about (the one saved, or the one dropped)
   action  kill           SIGKILL this process: from the main thread a second later, as a crash
                          would come (threads megatron started, such as its retention deletion,
@@ -57,8 +62,39 @@ def _act(action: str) -> None:
         time.sleep(0.1)
 
 
+class _TrackerWriteStop:
+    """megatron.training.checkpointing's `maybe_msc` for one run: a file opened for writing
+    under the tracker's name acts on the write of `dirname`'s iteration, after the truncation."""
+
+    def __init__(self, client, dirname: str, action: str):
+        self._client, self._dirname, self._action = client, dirname, action
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def open(self, path, mode="r", *args, **kwargs):
+        handle = self._client.open(path, mode, *args, **kwargs)
+        if "w" not in mode or not str(path).endswith(commit_protocol.TRACKER):
+            return handle
+        write, stop = handle.write, self
+
+        def write_then_act(text):
+            if text != "release" and commit_protocol.iteration_dirname(int(text)) == stop._dirname:
+                handle.flush()
+                _act(stop._action)
+            return write(text)
+
+        handle.write = write_then_act
+        return handle
+
+
 def _install(spec: str) -> None:
     point, dirname, action = spec.split(":", 2)
+    if point == "megatron_tracker_write":
+        from megatron.training import checkpointing
+
+        checkpointing.maybe_msc = _TrackerWriteStop(checkpointing.maybe_msc, dirname, action)
+        return
     # Where each point is looked up when called: commit() calls write_tracker() in the same module.
     module = retention if point == "remove_retired" else commit_protocol
     original = getattr(module, point)

@@ -146,3 +146,31 @@ def test_a_save_failing_for_another_reason_than_room_keeps_its_error_and_traceba
     assert "Traceback" not in log.replace(error, ""), log[-3000:]  # one line, no traceback
     assert tracked(save) == "iter_0000001" and not list(save.glob("_partial_*"))
     print(f"\n[commit] {error}")
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["unpatched", "patched"])
+def test_crash_inside_megatrons_tracker_write(patched, tmp_path):
+    """A kill where megatron-core 0.19.2 rewrites the tracker in place (truncated, the iteration
+    not yet written), hooked at megatron's own call. Without atomic-checkpoint-commit the tracker
+    is left empty and the restart exits 0 without training (megatron's read_metadata calls
+    sys.exit() on it; checkpoint-load-integrity, which would refuse it, is left out too). With it
+    megatron's write goes to a scratch copy: the tracker names iteration 1 and the restart goes on
+    from there."""
+    save = tmp_path / "ckpt"
+    args = [*ARGS, "--train-iters", "3", "--save", str(save), "--load", str(save)]
+    env = {} if patched else {
+        "MEGATRON_PATCHES_DISABLE": "atomic-checkpoint-commit,checkpoint-load-integrity"}
+    crashed = LiveRun(args, nproc=1, script=HOOKED,
+                      env={**env, "COMMIT_HOOK": "megatron_tracker_write:iter_0000002:kill"})
+    log = crashed.finish(300)
+    assert crashed.proc.returncode != 0 and "iteration        3/" not in log, log[-3000:]
+    restart = launch(1, args, env=env, timeout=300)
+    if patched:
+        assert (save / TRACKER).read_text() == "3", restart.log[-3000:]
+        assert loaded_iteration(restart.log, save) == 1, restart.log[-3000:]
+        assert restart.returncode == 0 and "iteration        3/" in restart.log
+    else:
+        assert (save / TRACKER).read_bytes() == b"" and (save / "iter_0000002").is_dir()
+        assert restart.returncode == 0, restart.log[-3000:]
+        assert f"ERROR: Invalid metadata file {save / TRACKER}. Exiting" in restart.log
+        assert not re.search(r"iteration +\d+/", restart.log), restart.log[-3000:]
