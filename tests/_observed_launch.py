@@ -18,7 +18,8 @@ when its environment variable names a directory:
   Megatron-FSDP model writes what it keeps of the model's weights, gradients, main weights and
   optimizer states, counted in Megatron-FSDP's buffers and the optimizer's state tensors (buffer
   padding left out), to memory_rank{R}.json: {"weights": elements of the weights, "bytes": bytes
-  of them all};
+  of them all, "without_state": the optimizer's parameters it holds no state for (an empty
+  shard gets no gradient, so its optimizer never makes state for it)};
 * $FLOP_COUNT_FILE: before megatron's first training step, rank 0 runs one forward and backward
   of one micro-batch of random tokens through the model built (a causal mask, full S×S scores)
   under torch's FlopCounterMode, on the device it trains on, and writes
@@ -170,13 +171,17 @@ def _fsdp_memory(model, optimizer) -> dict:
             if group.model_weight_buffer is None:  # no_shard: the weights are the parameters
                 weights += sum(param.numel() for param in group.params)
                 nbytes += sum(param.numel() * param.element_size() for param in group.params)
+    without_state = 0
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
         for state in chained.optimizer.state.values():
             for key, value in state.items():
                 if key != "step" and torch.is_tensor(value):
                     local = getattr(value, "_local_tensor", value)
                     nbytes += local.numel() * local.element_size()
-    return {"weights": weights, "bytes": nbytes}
+        without_state += sum(not chained.optimizer.state.get(param)
+                             for group in chained.optimizer.param_groups
+                             for param in group["params"])
+    return {"weights": weights, "bytes": nbytes, "without_state": without_state}
 
 
 def _observe_memory(training) -> None:
