@@ -34,11 +34,13 @@ def _source(ckpt_dir: str, iteration: int | None, wanted: str):
 def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
     check_target(out_dir)
     path, args = _source(ckpt_dir, iteration, "fsdp_dtensor")
-    # megatron's dist_checkpointing saves from the model itself: built, then filled.
-    model = megatron_side.build(megatron_side.world_one_config(args))
-    megatron_side.load_into(model, path)
+    with torch.device("meta"):  # names and shapes: each weight is read as it is written
+        model = megatron_side.build(megatron_side.world_one_config(args))
+    reader = megatron_side.open_reader(model, path)
+    megatron_side.check_covers(reader, model, path)
     with staged_folder(out_dir) as staging:
-        megatron_side.save_release(model, megatron_side.world_one_args(args), staging)
+        megatron_side.save_release(model, reader.read, megatron_side.world_one_args(args),
+                                   staging)
     print(f"convert: to-torch-dist: {_WEIGHTS_ONLY}", flush=True)
 
 

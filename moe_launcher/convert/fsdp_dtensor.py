@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import ConvertError
+from .errors import ConvertError, unwrapped_from_dcp
 
 MODEL_PREFIX = "model.module."
 CHECKPOINT_VERSION = 3.0  # megatron's current one: no QKV reordering on load
@@ -152,19 +152,48 @@ def saved_args(path: str):
     return state["args"]
 
 
+class _PartsPlanner(dcp.DefaultSavePlanner):
+    """Plans from meta placeholders (names, shapes, dtypes) and makes each tensor when torch
+    DCP's FileSystemWriter asks for it, which writes it before asking for the next: one
+    parameter (its parts: a SwiGLU fc1's two halves) is held at a time."""
+
+    def __init__(self, read, part_of: dict[str, tuple[str, int, int]]):
+        super().__init__()
+        self.read, self.part_of = read, part_of  # key -> (parameter, part, parts)
+        self.held: tuple[str | None, list[torch.Tensor]] = (None, [])
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if not (isinstance(data, torch.Tensor) and data.is_meta):
+            return data
+        name, part, parts = self.part_of[write_item.index.fqn]
+        if self.held[0] != name:
+            weight = self.read(name).to(torch.float32)  # no copy of an fp32 weight
+            self.held = (name, [chunk.contiguous() for chunk in weight.chunk(parts)])
+        return self.held[1][part]
+
+
 def save_release(model, read, args, ckpt_root: str, spec: str) -> None:
-    """`ckpt_root/release` in fsdp_dtensor (each parameter, `read(name)`, in fp32, Megatron-FSDP's
-    main-weight dtype, named as a run of `spec` asks for them) and a tracker naming it; `model`
-    (it may be on the meta device) gives the names. megatron's load then takes iteration 0 and no
-    optimizer, scheduler or RNG state, as for import-hf's torch_dist."""
-    tensors = {}
+    """`ckpt_root/release` in fsdp_dtensor (each parameter, `read(name)` when it is written, in
+    fp32, Megatron-FSDP's main-weight dtype, named as a run of `spec` asks for them) and a
+    tracker naming it; `model` (it may be on the meta device) gives the names. megatron's load
+    then takes iteration 0 and no optimizer, scheduler or RNG state, as for import-hf's
+    torch_dist."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()
+              if isinstance(t, torch.Tensor)}  # (not TE's _extra_state)
+    placeholders, part_of = {}, {}
     for name, stored in stored_names(model, spec).items():
-        weight = read(name).to(torch.float32)  # no copy of an fp32 weight
-        for key, part in zip(stored, weight.chunk(len(stored))):
-            tensors["module." + key] = part.contiguous()
+        shape = shapes[name]
+        part = ((shape[0] // len(stored),) if shape else ()) + shape[1:]
+        for k, key in enumerate(stored):
+            placeholders["module." + key] = torch.empty(part, dtype=torch.float32, device="meta")
+            part_of[f"model.module.{key}"] = (name, k, len(stored))
     release = os.path.join(ckpt_root, "release")
     os.mkdir(release)
-    dcp.save({"model": tensors, "args": args, "iteration": 0,
-              "checkpoint_version": CHECKPOINT_VERSION}, checkpoint_id=release, no_dist=True)
+    state = {"model": placeholders, "args": args, "iteration": 0,
+             "checkpoint_version": CHECKPOINT_VERSION}
+    with unwrapped_from_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(release, thread_count=1),
+                 planner=_PartsPlanner(read, part_of), no_dist=True)
     with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("release")

@@ -69,29 +69,33 @@ class HFTensors:
         for tensor, name in self.weight_map.items():
             if tensor not in self.files[name].keys():
                 raise ConvertError(f"{INDEX} puts {tensor} in {name}, which does not hold it")
-        self.unread = set(self.weight_map)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ConvertError(f"the checkpoint has no tensor {name}")
-        self.unread.discard(name)
         try:
             return self.files[self.weight_map[name]].get_tensor(name)
         except Exception as error:  # noqa: BLE001 -- a read past a truncated file's end
             raise ConvertError(f"tensor {name} in {self.weight_map[name]} cannot be read: "
                                f"{error}") from None
 
-    def check_all_read(self) -> None:
-        """Every HF tensor went into the model: one left over is weight the mapping dropped."""
-        if self.unread:
-            left = sorted(self.unread)
+    def header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype name) of a tensor, from its shard's header (nothing read)."""
+        if name not in self.weight_map:
+            raise ConvertError(f"the checkpoint has no tensor {name}")
+        entry = self.files[self.weight_map[name]].get_slice(name)
+        return tuple(entry.get_shape()), entry.get_dtype()
+
+    def check_all_placed(self, placed: set[str]) -> None:
+        """Every HF tensor has a place in the model: one left over is weight the mapping drops."""
+        if left := sorted(set(self.weight_map) - placed):
             raise ConvertError(f"{len(left)} tensors have no place in the megatron model, e.g. "
                                f"{', '.join(left[:3])} (a config feature this mapping ignores)")
 
 
 # safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
 # naming each tensor's dtype, shape and [begin, end) byte offsets in the data that follows).
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class ShardWriter:
@@ -123,7 +127,7 @@ class ShardWriter:
         for index in self.shards[k]:
             name, shape, dtype = self.planned[index]
             nbytes = _nbytes(shape, dtype)
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()

@@ -2,11 +2,13 @@
 layout (`OUT_DIR/release`, the tracker naming it), plus `OUT_DIR/model_flags.txt`, the
 Megatron-LM flags of the architecture.
 
-Everything that can be refused is refused before the output folder is created: the family,
-the config keys, a tokenizer in the folder with more tokens than config.json's vocab_size,
-every shard's header, and each HF tensor as it is read (once, straight into the
-megatron parameter it belongs to): its shape against the one config.json implies, its dtype, and
-NaN or Inf in it.
+Everything that can be refused without reading the weights is refused before the output
+folder is created: the family, the config keys, a tokenizer in the folder with more tokens than
+config.json's vocab_size, every shard's header, each HF tensor's shape (against the one
+config.json implies) and dtype, and every tensor's place in the model. The weights stream: the
+model is built on the meta device and each megatron parameter is made from its HF tensors (read
+once) when megatron's save writes it; a tensor holding NaN or Inf stops the conversion there,
+and the staged output is removed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from . import megatron_side
 from .architecture import megatron_flags
 from .errors import ConvertError
 from .families import Family, family_of_architecture
-from .hf_files import TOKENIZER_FILES, HFTensors, read_config_json
+from .hf_files import SAFETENSORS_DTYPES, TOKENIZER_FILES, HFTensors, read_config_json
 from .staging import check_target, staged_folder
 from .tensor_map import fuse, hf_shapes, rules, unmapped
 
@@ -52,34 +54,45 @@ def check_tokenizer_fits(hf_dir: str, config) -> None:
                            "config.json must belong to the same model")
 
 
-def _check_tensor(name: str, source: torch.Tensor, shape: tuple[int, ...],
+def _check_header(name: str, found: tuple[tuple[int, ...], str], shape: tuple[int, ...],
                   dtype: torch.dtype) -> None:
-    if tuple(source.shape) != shape:
-        raise ConvertError(f"{name} has shape {tuple(source.shape)}, but config.json implies "
-                           f"{shape}; fix: the folder's config.json and weights must belong to "
-                           "the same model")
-    # copy_ would cast silently; the checkpoint keeps the HF model's own values.
-    if source.dtype != dtype:
-        raise ConvertError(f"{name} is {source.dtype}, not the {dtype} of config.json's dtype")
-    if source.is_floating_point() and not bool(torch.isfinite(source).all()):
-        raise ConvertError(f"{name} holds NaN or Inf values (a damaged file or download?); fix: "
-                           "download the model again")
+    if found[0] != shape:
+        raise ConvertError(f"{name} has shape {found[0]}, but config.json implies {shape}; fix: "
+                           "the folder's config.json and weights must belong to the same model")
+    # a cast would change the HF model's own values
+    if found[1] != SAFETENSORS_DTYPES.get(dtype):
+        named = {code: kind for kind, code in SAFETENSORS_DTYPES.items()}.get(found[1], found[1])
+        raise ConvertError(f"{name} is {named}, not the {dtype} of config.json's dtype")
 
 
-def _fill(model, family: Family, config, tensors: HFTensors) -> None:
-    params = model.state_dict()
-    padded_vocab = model.embedding.word_embeddings.weight.shape[0]
-    with torch.no_grad():
-        for rule in rules(family, config):
+class _Weights:
+    """Each megatron parameter from its HF tensors, read when the save asks for it. Built only
+    after every shape and dtype (from the shards' headers), every HF tensor's place and every
+    parameter's source are checked, so the only refusal left for the writing is a tensor's
+    values (NaN or Inf) or a shard unreadable past its header: the staged output is removed."""
+
+    def __init__(self, model, family: Family, config, tensors: HFTensors):
+        params = model.state_dict()
+        self.tensors, self.config = tensors, config
+        self.padded_vocab = model.embedding.word_embeddings.weight.shape[0]
+        self.rules = {rule.megatron: rule for rule in rules(family, config)}
+        for rule in self.rules.values():
             target = params[rule.megatron]
-            sources = [tensors.get(name) for name in rule.hf]
-            shapes = hf_shapes(rule, tuple(target.shape), config)
-            for name, source, shape in zip(rule.hf, sources, shapes):
-                _check_tensor(name, source, shape, target.dtype)
-            target.copy_(fuse(rule, sources, config, padded_vocab))
-    tensors.check_all_read()
-    if unfilled := unmapped(params, family, config):
-        raise ConvertError(f"the mapping leaves megatron parameters unset: {', '.join(unfilled[:3])}")
+            for name, shape in zip(rule.hf, hf_shapes(rule, tuple(target.shape), config)):
+                _check_header(name, tensors.header(name), shape, target.dtype)
+        tensors.check_all_placed({name for rule in self.rules.values() for name in rule.hf})
+        if unfilled := unmapped(params, family, config):
+            raise ConvertError(f"the mapping leaves megatron parameters unset: "
+                               f"{', '.join(unfilled[:3])}")
+
+    def read(self, megatron_name: str) -> torch.Tensor:
+        rule = self.rules[megatron_name]
+        sources = [self.tensors.get(name) for name in rule.hf]
+        for name, source in zip(rule.hf, sources):
+            if source.is_floating_point() and not bool(torch.isfinite(source).all()):
+                raise ConvertError(f"{name} holds NaN or Inf values (a damaged file or "
+                                   "download?); fix: download the model again")
+        return fuse(rule, sources, self.config, self.padded_vocab)
 
 
 def import_hf(hf_dir: str, out_dir: str) -> None:
@@ -91,9 +104,10 @@ def import_hf(hf_dir: str, out_dir: str) -> None:
     tensors = HFTensors(hf_dir)
     megatron_side.start()
     args, model_config = megatron_side.args_of_flags(flags, config.max_position_embeddings)
-    model = megatron_side.build(model_config)
-    _fill(model, family, config, tensors)
+    with torch.device("meta"):  # names and shapes: each weight is read as it is written
+        model = megatron_side.build(model_config)
+    weights = _Weights(model, family, config, tensors)
     with staged_folder(out_dir) as staging:
-        megatron_side.save_release(model, args, staging)
+        megatron_side.save_release(model, weights.read, args, staging)
         with open(os.path.join(staging, FLAGS_FILE), "w") as f:
             f.write(" ".join(flags) + "\n")

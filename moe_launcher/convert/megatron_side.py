@@ -18,7 +18,7 @@ import socket
 import torch
 
 from . import fsdp_dtensor
-from .errors import ConvertError
+from .errors import ConvertError, unwrapped_from_dcp
 
 # What a conversion's command line needs besides the architecture; saved in the checkpoint's
 # args (megatron reads none of them back when the launcher loads it: see save_release).
@@ -127,10 +127,85 @@ def build(model_config):
     return model.to(model_config.params_dtype)
 
 
-def save_release(model, args, ckpt_root: str) -> None:
+class _ShardSource:
+    """The tensor of each shard megatron's save of the one-rank model writes, made when the save
+    writes it: megatron's own sharded state dict of the model says which parameter a (key,
+    global offset) is, and which of a factory's shards (the SwiGLU fc1's two halves). One
+    parameter is kept at a time (a factory's shards are written one after the other)."""
+
+    def __init__(self, model, metadata: dict, read):
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+
+        self.read, self.entries, self.where = read, {}, {}
+        for name, entry in model.sharded_state_dict(metadata=metadata).items():
+            if isinstance(entry, ShardedObject):  # TE's _extra_state: no weights
+                continue
+            self.entries[name] = entry
+            shards = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
+            for k, shard in enumerate(shards if isinstance(shards, list) else [shards]):
+                self.where[shard.key, tuple(shard.global_offset)] = (name, k)
+        self.held: tuple[str | None, list[torch.Tensor]] = (None, [])
+
+    def tensor(self, key: str, offset) -> torch.Tensor:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        name, k = self.where[key, tuple(offset)]
+        if self.held[0] != name:
+            entry = self.entries[name]
+            weight = self.read(name).to(entry.data.dtype)  # no copy where it already is
+            if isinstance(entry, ShardedTensorFactory):  # its shards are views of its data
+                meta, entry.data = entry.data, weight
+                try:
+                    built = entry.build()
+                finally:
+                    entry.data = meta
+                parts = [shard.data for shard in (built if isinstance(built, list) else [built])]
+            else:
+                parts = [weight]
+            self.held = (name, parts)
+        return self.held[1][k]
+
+
+def _streaming_strategy(source: _ShardSource):
+    """megatron's torch_dist save strategy (the same files, keys and metadata), but written by
+    torch DCP's FileSystemWriter, which asks the planner for one tensor at a time and writes it
+    before asking for the next: each tensor comes from `source` then (megatron's own writer
+    collects every tensor of the checkpoint before it writes one)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    class Planner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            if isinstance(data, torch.Tensor) and data.is_meta:
+                made = source.tensor(write_item.index.fqn, write_item.index.offset)
+                data = made.reshape(write_item.tensor_data.chunk.sizes)
+            return data
+
+    class Strategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            by_key, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            planner = Planner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                              flatten_state_dict=False, flatten_sharded_tensors=False)
+            with unwrapped_from_dcp():
+                dcp.save(mcore_to_pyt_state_dict(by_key, False), planner=planner, no_dist=True,
+                         storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1))
+
+    return Strategy()
+
+
+def save_release(model, read, args, ckpt_root: str) -> None:
     """`ckpt_root/release` and a tracker naming it: megatron's convention for a converted
     checkpoint. megatron's load then takes iteration 0 and reads no optimizer, scheduler or RNG
-    state (none is saved), with or without --finetune."""
+    state (none is saved), with or without --finetune. `model` (it may be on the meta device)
+    gives the names and shapes; each parameter is `read(name)` when the save writes it, so no
+    more than one is held at a time."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
     from megatron.training import checkpointing
@@ -142,6 +217,8 @@ def save_release(model, args, ckpt_root: str) -> None:
     release = os.path.join(ckpt_root, "release")
     os.mkdir(release)
     dist_checkpointing.save(state, release,
+                            sharded_strategy=_streaming_strategy(_ShardSource(model, metadata,
+                                                                              read)),
                             content_metadata=_clean_metadata_for_serialization(metadata))
     with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("release")
@@ -324,13 +401,18 @@ def open_reader(model, path: str):
     return _TorchDistReader(model, path)
 
 
+def check_covers(reader, model, path: str) -> None:
+    """The checkpoint holds every weight of the model its args build."""
+    if missing := [name for name in model.state_dict()
+                   if name not in reader.names and not name.endswith("_extra_state")]:
+        raise ConvertError(f"{path} holds no {missing[0]} for the model its args build")
+
+
 def load_into(model, path: str) -> None:
     """Every tensor of the model from the checkpoint (the optimizer's are left on disk)."""
     reader = open_reader(model, path)
+    check_covers(reader, model, path)
     params = model.state_dict()
-    if missing := [name for name in params
-                   if name not in reader.names and not name.endswith("_extra_state")]:
-        raise ConvertError(f"{path} holds no {missing[0]} for the model its args build")
     with torch.no_grad():
         for name in reader.names:
             params[name].copy_(reader.read(name))
