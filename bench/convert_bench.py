@@ -4,17 +4,19 @@
 
 Makes the model with transformers' config class (bf16, sharded safetensors) and runs the real
 command lines one after the other: import-hf, export-hf of that torch_dist checkpoint,
-to-fsdp-dtensor, and export-hf of the fsdp_dtensor one. For each: wall time, throughput (model
-bytes per second) and peak resident memory over a tiny model's run of the same command (the
-process's own cost), as a multiple of the model's bytes and of its largest tensor. export-hf
-streams from either format (one parameter read at a time, each safetensors tensor written as it
-comes: goal <= 2x the largest tensor); import-hf and to-fsdp-dtensor hold the whole model
-(megatron builds in fp32, so a bf16 model costs 1.5-2x its bytes, to-fsdp-dtensor more).
+to-fsdp-dtensor, export-hf of the fsdp_dtensor one, to-torch-dist of it and export-hf of that.
+For each: wall time, throughput (model bytes per second) and peak resident memory over a tiny
+model's run of the same command (the process's own cost), as a multiple of the model's bytes
+and of its largest tensor. Every command streams: a parameter is read when it is written, each
+(safetensors or DCP) tensor written as it comes (goal <= 2x the largest tensor). Last, the three
+exports are compared with the source folder, tensor by tensor (bit-identical, or the bench
+fails).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -64,14 +66,43 @@ def timed(*argv: str) -> tuple[float, int]:
 def bench(layers: int, hidden: int, experts: int) -> tuple[int, int, dict]:
     """The model's bytes, its largest tensor's, and each command's (seconds, peak RSS bytes)."""
     with tempfile.TemporaryDirectory(prefix="convert_bench_") as root:
-        hf, ckpt, out, fsdp, out2 = (os.path.join(root, name)
-                                     for name in ("hf", "ckpt", "out", "fsdp", "out2"))
+        hf, ckpt, out, fsdp, out2, back, out3 = (
+            os.path.join(root, name) for name in ("hf", "ckpt", "out", "fsdp", "out2", "back",
+                                                  "out3"))
         size, largest = make_model(hf, layers, hidden, experts)
-        return size, largest, {
-            "import-hf": timed("import-hf", hf, ckpt),
-            "export-hf (torch_dist)": timed("export-hf", ckpt, out),
-            "to-fsdp-dtensor": timed("to-fsdp-dtensor", ckpt, fsdp),
-            "export-hf (fsdp_dtensor)": timed("export-hf", fsdp, out2)}
+        runs = {"import-hf": timed("import-hf", hf, ckpt),
+                "export-hf (torch_dist)": timed("export-hf", ckpt, out),
+                "to-fsdp-dtensor": timed("to-fsdp-dtensor", ckpt, fsdp),
+                "export-hf (fsdp_dtensor)": timed("export-hf", fsdp, out2),
+                "to-torch-dist": timed("to-torch-dist", fsdp, back),
+                "export-hf (to-torch-dist's)": timed("export-hf", back, out3)}
+        compared = [same_tensors(hf, exported) for exported in (out, out2, out3)]
+        return size, largest, runs, compared[0]
+
+
+def same_tensors(source: str, exported: str) -> int:
+    """How many tensors `exported` holds, once each is checked to equal the source folder's
+    bit for bit (one tensor of each in memory at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    def tensors(folder: str) -> dict[str, str]:
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if not os.path.exists(index):  # one file
+            with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+                return {name: "model.safetensors" for name in f.keys()}
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+
+    have, want = tensors(exported), tensors(source)
+    if sorted(have) != sorted(want):
+        raise SystemExit(f"{exported} holds other tensors than {source}")
+    for name in want:
+        with safe_open(os.path.join(source, want[name]), "pt") as a, \
+                safe_open(os.path.join(exported, have[name]), "pt") as b:
+            if not torch.equal(a.get_tensor(name), b.get_tensor(name)):
+                raise SystemExit(f"{exported}: {name} differs from {source}'s")
+    return len(want)
 
 
 def main() -> None:
@@ -84,14 +115,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=16)
     options = parser.parse_args()
-    _, _, fixed = bench(1, 64, 4)  # the process's own cost: megatron, transformers, torch
-    size, largest, runs = bench(options.layers, options.hidden, options.experts)
+    _, _, fixed, _ = bench(1, 64, 4)  # the process's own cost: megatron, transformers, torch
+    size, largest, runs, compared = bench(options.layers, options.hidden, options.experts)
     print(f"model: {size / 1e6:.1f} MB of bf16 weights, largest tensor {largest / 1e6:.1f} MB")
     for command, (seconds, peak) in runs.items():
         extra = peak - fixed[command][1]
         print(f"{command}: {seconds:.1f} s ({size / 1e9 / seconds * 60:.2f} GB/min); peak RSS "
               f"{peak / 1e6:.0f} MB, {extra / 1e6:.0f} MB over a tiny model's = "
               f"{extra / size:.2f}x the model, {extra / largest:.2f}x its largest tensor")
+    print(f"the three exports and the source folder: bit-identical ({compared} tensors)")
 
 if __name__ == "__main__":
     main()

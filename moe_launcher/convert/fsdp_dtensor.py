@@ -27,6 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .dcp_files import BoundedFilesWriter
 from .errors import ConvertError, unwrapped_from_dcp
 
 MODEL_PREFIX = "model.module."
@@ -193,7 +194,7 @@ def save_release(model, read, args, ckpt_root: str, spec: str) -> None:
     state = {"model": placeholders, "args": args, "iteration": 0,
              "checkpoint_version": CHECKPOINT_VERSION}
     with unwrapped_from_dcp():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(release, thread_count=1),
+        dcp.save(state, storage_writer=BoundedFilesWriter(release),
                  planner=_PartsPlanner(read, part_of), no_dist=True)
     with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("release")

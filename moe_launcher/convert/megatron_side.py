@@ -18,6 +18,7 @@ import socket
 import torch
 
 from . import fsdp_dtensor
+from .dcp_files import BoundedFilesWriter
 from .errors import ConvertError, unwrapped_from_dcp
 
 # What a conversion's command line needs besides the architecture; saved in the checkpoint's
@@ -167,10 +168,9 @@ class _ShardSource:
 
 
 def _streaming_strategy(source: _ShardSource):
-    """megatron's torch_dist save strategy (the same files, keys and metadata), but written by
-    torch DCP's FileSystemWriter, which asks the planner for one tensor at a time and writes it
-    before asking for the next: each tensor comes from `source` then (megatron's own writer
-    collects every tensor of the checkpoint before it writes one)."""
+    """megatron's torch_dist save strategy (its keys, metadata and checkpoint config), written
+    by dcp_files' writer, which asks the planner for one tensor at a time: each comes from
+    `source` then."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -195,7 +195,7 @@ def _streaming_strategy(source: _ShardSource):
                               flatten_state_dict=False, flatten_sharded_tensors=False)
             with unwrapped_from_dcp():
                 dcp.save(mcore_to_pyt_state_dict(by_key, False), planner=planner, no_dist=True,
-                         storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1))
+                         storage_writer=BoundedFilesWriter(str(checkpoint_dir)))
 
     return Strategy()
 
