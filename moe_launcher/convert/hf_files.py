@@ -1,6 +1,7 @@
 """A Hugging Face model folder on disk: config.json and safetensors, single or sharded with
-`model.safetensors.index.json`. Read tensor by tensor (safetensors' `safe_open` maps the file
-and reads one tensor per call); written tensor by tensor: the shards are planned from the
+`model.safetensors.index.json`. Read tensor by tensor (each shard checked by safetensors'
+`safe_open`, each tensor then read from the byte range its header gives); written tensor by
+tensor: the shards are planned from the
 tensors' names, shapes and dtypes, so each shard's safetensors header is written first and each
 tensor's bytes go to disk as it comes, none kept.
 """
@@ -60,31 +61,57 @@ def _open(hf_dir: str, name: str):
         raise ConvertError(f"shard {path} is truncated or not safetensors: {error}") from None
 
 
+def _data_layout(path: str) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """Each tensor of a safetensors file (checked by safetensors first): name -> (dtype name,
+    shape, first byte, end byte) in the file."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return {name: (entry["dtype"], tuple(entry["shape"]), 8 + length + entry["data_offsets"][0],
+                   8 + length + entry["data_offsets"][1]) for name, entry in header.items()}
+
+
 class HFTensors:
-    """The tensors of a HF folder, by name; every shard's header checked when opened."""
+    """The tensors of a HF folder, by name; every shard's header checked when opened. A tensor
+    is read from its byte range with plain reads, not through a memory map (pages of a map
+    stay in the process's resident memory until it is unmapped: a map of every shard grows it
+    to the model's size)."""
 
     def __init__(self, hf_dir: str):
         self.weight_map = _weight_map(hf_dir)
-        self.files = {name: _open(hf_dir, name) for name in sorted(set(self.weight_map.values()))}
+        self.layout = {}  # tensor -> (file, dtype name, shape, first byte, end byte)
+        for name in sorted(set(self.weight_map.values())):
+            with _open(hf_dir, name):  # safetensors' own checks of the file
+                pass
+            path = os.path.join(hf_dir, name)
+            for tensor, entry in _data_layout(path).items():
+                self.layout[tensor] = (path, *entry)
         for tensor, name in self.weight_map.items():
-            if tensor not in self.files[name].keys():
+            if tensor not in self.layout or self.layout[tensor][0] != os.path.join(hf_dir, name):
                 raise ConvertError(f"{INDEX} puts {tensor} in {name}, which does not hold it")
 
-    def get(self, name: str) -> torch.Tensor:
+    def _entry(self, name: str):
         if name not in self.weight_map:
             raise ConvertError(f"the checkpoint has no tensor {name}")
-        try:
-            return self.files[self.weight_map[name]].get_tensor(name)
-        except Exception as error:  # noqa: BLE001 -- a read past a truncated file's end
+        return self.layout[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        path, code, shape, first, end = self._entry(name)
+        data = torch.empty(end - first, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(first)
+            got = f.readinto(data.numpy())
+        if got != end - first or code not in _DTYPE_OF_NAME:
             raise ConvertError(f"tensor {name} in {self.weight_map[name]} cannot be read: "
-                               f"{error}") from None
+                               + (f"dtype {code}" if got == end - first else
+                                  f"the file ends {end - first - got} bytes short"))
+        return data.view(_DTYPE_OF_NAME[code]).reshape(shape)
 
     def header(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype name) of a tensor, from its shard's header (nothing read)."""
-        if name not in self.weight_map:
-            raise ConvertError(f"the checkpoint has no tensor {name}")
-        entry = self.files[self.weight_map[name]].get_slice(name)
-        return tuple(entry.get_shape()), entry.get_dtype()
+        _, code, shape, _, _ = self._entry(name)
+        return shape, code
 
     def check_all_placed(self, placed: set[str]) -> None:
         """Every HF tensor has a place in the model: one left over is weight the mapping drops."""
@@ -96,6 +123,10 @@ class HFTensors:
 # safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
 # naming each tensor's dtype, shape and [begin, end) byte offsets in the data that follows).
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPE_OF_NAME = {**{name: dtype for dtype, name in SAFETENSORS_DTYPES.items()},
+                  "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                  "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class ShardWriter:
