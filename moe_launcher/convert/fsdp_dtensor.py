@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .dcp_files import BoundedFilesWriter
 from .errors import ConvertError, unwrapped_from_dcp
+from .hf_files import read_with_progress
 
 MODEL_PREFIX = "model.module."
 CHECKPOINT_VERSION = 3.0  # megatron's current one: no QKV reordering on load
@@ -193,8 +194,8 @@ def save_release(model, read, args, ckpt_root: str, spec: str) -> None:
     os.mkdir(release)
     state = {"model": placeholders, "args": args, "iteration": 0,
              "checkpoint_version": CHECKPOINT_VERSION}
-    with unwrapped_from_dcp():
+    with unwrapped_from_dcp(), read_with_progress(read, model, "writing fsdp_dtensor") as counted:
         dcp.save(state, storage_writer=BoundedFilesWriter(release),
-                 planner=_PartsPlanner(read, part_of), no_dist=True)
+                 planner=_PartsPlanner(counted, part_of), no_dist=True)
     with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("release")

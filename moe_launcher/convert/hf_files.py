@@ -8,6 +8,7 @@ tensor's bytes go to disk as it comes, none kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -200,6 +201,20 @@ def progress_bar(total_bytes: int, what: str):
 
     return tqdm(total=total_bytes, desc=f"convert: {what}", unit="B", unit_scale=True,
                 delay=3, leave=False)
+
+
+@contextlib.contextmanager
+def read_with_progress(read, model, what: str):
+    """`read` (name -> parameter) counted in a progress bar of the model's weight bytes."""
+    sizes = {name: tensor.nbytes for name, tensor in model.state_dict().items()
+             if isinstance(tensor, torch.Tensor)}
+    with progress_bar(sum(sizes.values()), what) as bar:
+        def counted(name: str) -> torch.Tensor:
+            weight = read(name)
+            bar.update(sizes[name])
+            return weight
+
+        yield counted
 
 
 def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:

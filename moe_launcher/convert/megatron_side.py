@@ -20,6 +20,7 @@ import torch
 from . import fsdp_dtensor
 from .dcp_files import BoundedFilesWriter
 from .errors import ConvertError, unwrapped_from_dcp
+from .hf_files import read_with_progress
 
 # What a conversion's command line needs besides the architecture; saved in the checkpoint's
 # args (megatron reads none of them back when the launcher loads it: see save_release).
@@ -216,10 +217,11 @@ def save_release(model, read, args, ckpt_root: str) -> None:
                                               model_sd_kwargs={"metadata": metadata})
     release = os.path.join(ckpt_root, "release")
     os.mkdir(release)
-    dist_checkpointing.save(state, release,
-                            sharded_strategy=_streaming_strategy(_ShardSource(model, metadata,
-                                                                              read)),
-                            content_metadata=_clean_metadata_for_serialization(metadata))
+    with read_with_progress(read, model, "writing torch_dist") as counted:
+        dist_checkpointing.save(state, release,
+                                sharded_strategy=_streaming_strategy(
+                                    _ShardSource(model, metadata, counted)),
+                                content_metadata=_clean_metadata_for_serialization(metadata))
     with open(os.path.join(ckpt_root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("release")
 
