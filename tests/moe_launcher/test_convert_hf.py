@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -263,14 +264,15 @@ def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
 
 def _first_loss(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bool = False,
                 env: dict | None = None,
-                tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer")) -> float:
-    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on 2 ranks at `layout`: the loss
+                tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer"),
+                nproc: int = 2) -> float:
+    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`: the loss
     TensorBoard has for iteration 1 (one step at lr 0; with `save`, saved into root/trained)."""
     from _launch import launch, tensorboard_scalars
 
     flags = (ckpt / "model_flags.txt").read_text().split()
     saving = ["--save", str(root / "trained"), "--save-interval", "1"] if save else []
-    launch(2, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
+    launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
                "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
                *tokenizer, "--data-path", corpus, "--split", "100,0,0",
                "--data-cache-path", str(root / "cache"), "--train-iters", "1", "--lr", "0.0",
@@ -335,14 +337,14 @@ def _assert_streamed_equals_megatrons_load(ckpt: Path) -> None:
 def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conversions,
                                                                    tmp_path):
     """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
-    sequence parallelism and experts EP2, and at TP1 x EP2 with the model's own tokenizer
-    (HuggingFaceTokenizer, a Qwen-like folder of 119 ids): the first logged loss is
+    sequence parallelism and experts EP2, and on 4 at PP2 x VPP2 x EP2 with the model's own
+    tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids): the first logged loss is
     transformers' own loss on the batch (loss-over-real-vocabulary; without it megatron's
     loss takes the softmax over its 256 padded rows too, whose zero rows give logits 0: the
     loss of transformers' logits padded with zeros). After one step at lr 0 the launcher's own
-    TP1/EP2 checkpoint, optimizer state and all, exports bit-identical with the run's tokenizer
-    (issue 40): `from_pretrained` loads both, the token ids are the source's, and the exported
-    model's loss is the launcher's."""
+    PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports bit-identical with the run's
+    tokenizer (issue 40): `from_pretrained` loads both, the token ids are the source's, and the
+    exported model's loss is the launcher's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     family, hf_dir, ckpt, _ = family_conversions("mixtral")
@@ -359,8 +361,13 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
         _assert_streamed_equals_megatrons_load(tmp_path / "trained")
-    at_tp1 = _first_loss(ckpt, prefix, tmp_path / "tp1",  # DP2: a micro-batch per rank
-                         ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"],
+    # PP2 x VPP2 (the layout's four virtual stages) x EP2 on 4 ranks, DP2: two micro-batches
+    # per rank, as the interleaved schedule wants a multiple of PP
+    at_pp2 = _first_loss(ckpt, prefix, tmp_path / "pp2",
+                         ["--pipeline-model-parallel-size", "2",
+                          "--pipeline-model-parallel-layout", "E|t|t|L",
+                          "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
+                          "--global-batch-size", "4"], nproc=4,
                          save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
                                                "--tokenizer-model", str(tmp_path / "tokenizer")))
     unpatched = _first_loss(ckpt, prefix, tmp_path / "unpatched", tp2,
@@ -373,16 +380,17 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
     expected = torch.nn.functional.cross_entropy(logits, labels).item()
     padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
-    for loss in (logged, at_tp1):
+    for loss in (logged, at_pp2):
         assert abs(loss - expected) < 2e-4 * expected, (
             f"{family}: launcher's first loss {loss!r}, transformers' {expected!r}")
     assert abs(unpatched - with_padding) < 2e-4 * with_padding, (unpatched, with_padding)
     assert with_padding - expected > 1e-2  # the padded rows' share, far above the tolerance
-    print(f"{family}: first loss at TP2/EP2 {logged!r}, TP1/EP2 {at_tp1!r}, transformers' "
+    print(f"{family}: first loss at TP2/EP2 {logged!r}, PP2 x VPP2 x EP2 {at_pp2!r}, "
+          f"transformers' "
           f"{expected!r}; unpatched {unpatched!r} (transformers' over 256 padded rows "
           f"{with_padding!r})")
 
-    run = convert("export-hf", tmp_path / "tp1" / "trained", tmp_path / "exported")
+    run = convert("export-hf", tmp_path / "pp2" / "trained", tmp_path / "exported")
     assert f"the tokenizer's files from the run's --tokenizer-model {tmp_path / 'tokenizer'}" \
         in run.stdout, run.stdout
     before, after = _hf_tensors(hf_dir), _hf_tensors(tmp_path / "exported")
@@ -398,7 +406,7 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
     with torch.no_grad():
         exported_loss = torch.nn.functional.cross_entropy(
             exported.eval()(tokens[None]).logits[0], labels).item()
-    assert abs(exported_loss - at_tp1) < 2e-4 * at_tp1, (exported_loss, at_tp1)
+    assert abs(exported_loss - at_pp2) < 2e-4 * at_pp2, (exported_loss, at_pp2)
 
 
 @pytest.mark.parametrize("remove, add, named", [
@@ -609,8 +617,8 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     release Megatron-FSDP loads: EP2 x ETP2, bf16, 4 ranks, whose first loss is transformers'
     on the batch (bf16 forward: within 1%; fsdp-dtensor-release-load: without it megatron asks
     the release for optimizer state and every rank fails). Three steps later its fsdp_dtensor
-    checkpoint leaves both ways: `to-torch-dist` resumes at PP2 in fp32, and `export-hf` reads
-    it directly; the PP2 run's first loss is transformers' own loss of the exported model
+    checkpoint leaves both ways: `to-torch-dist` resumes at PP2 x VPP2 in fp32, and `export-hf`
+    reads it directly; that run's first loss is transformers' own loss of the exported model
     (fp32 on the same bf16-rounded weights: 2e-4), which the training moved off the import's.
     A partial fsdp_dtensor checkpoint and a damaged one are refused in one line."""
     from transformers import AutoModelForCausalLM
@@ -646,16 +654,17 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
 
     convert("to-torch-dist", tmp_path / "trained", tmp_path / "torch_dist")
     convert("export-hf", tmp_path / "trained", tmp_path / "exported")
-    _, resumed = _launched_losses(2, [*flags, "--global-batch-size", "1", "--ckpt-format",
-                                      "torch_dist"], tmp_path / "pp2", corpus,
-                                  "--load", str(tmp_path / "torch_dist"),
-                                  "--pipeline-model-parallel-size", "2", "--train-iters", "1",
-                                  "--lr", "0.0")
+    # PP2 x VPP2: the layout's four virtual stages (embedding, a layer, a layer, the loss)
+    pipelined, resumed = _launched_losses(
+        2, [*flags, "--global-batch-size", "2", "--ckpt-format", "torch_dist"], tmp_path / "pp2",
+        corpus, "--load", str(tmp_path / "torch_dist"), "--pipeline-model-parallel-size", "2",
+        "--pipeline-model-parallel-layout", "E|t|t|L", "--train-iters", "1", "--lr", "0.0")
+    assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2\n", pipelined.log)
     exported = transformers_loss(tmp_path / "exported")
     assert abs(resumed[1] - exported) < 2e-4 * exported, (resumed, exported)
     assert imported - exported > 1e-2  # three steps on one repeated sample moved the weights
     print(f"first loss from the import under Megatron-FSDP {trained[1]!r} (transformers' "
-          f"{imported!r}); after 3 steps, at PP2 from to-torch-dist {resumed[1]!r}, "
+          f"{imported!r}); after 3 steps, at PP2 x VPP2 from to-torch-dist {resumed[1]!r}, "
           f"transformers' on export-hf's {exported!r}")
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
