@@ -48,6 +48,7 @@ class ChunkResult:
     skipped: Counter                 # reason -> records skipped
     bad_line: str | None = None      # the first malformed line, when not skipping them
     input_bytes: int = 0
+    fast: Counter = dataclasses.field(default_factory=Counter)  # piece cache: documents, mismatches
 
     @property
     def documents(self) -> int:

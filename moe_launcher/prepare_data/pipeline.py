@@ -23,7 +23,8 @@ from . import inputs, output, tokenize_chunks
 from .config import Chunk, ChunkResult, PrepareConfig
 from .errors import PrepareError
 from .progress import Progress
-from .tokenizer import check_tokenizer_folder, load_tokenizer
+from .piece_cache import PieceCacheEncoder
+from .tokenizer import check_tokenizer_folder, hf_tokenizer, load_tokenizer
 
 
 def prepare(config: PrepareConfig) -> str:
@@ -42,11 +43,13 @@ def prepare(config: PrepareConfig) -> str:
     from megatron.core.datasets.indexed_dataset import DType
 
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    encoder = PieceCacheEncoder.for_tokenizer(hf_tokenizer(tokenizer))
     setup = tokenize_chunks.WorkerSetup(tokenizer, config.json_keys, config.append_eod,
-                                        config.skip_bad_lines, dtype, os.getpid())
+                                        config.skip_bad_lines, dtype, os.getpid(), encoder)
     datasets = output.dataset_prefixes(config.output_prefix, config.json_keys)
     with _workers(config.workers, setup) as pool:
-        progress = Progress(inputs.total_input_bytes(files), config.log_interval)
+        progress = Progress(inputs.total_input_bytes(files), config.log_interval,
+                            piece_cache=encoder is not None)
         record = {"made_by": "python -m moe_launcher.prepare_data",
                   "tokenizer": dataset_record.tokenizer_identity(tokenizer, "HuggingFaceTokenizer",
                                                                config.tokenizer),
@@ -60,7 +63,7 @@ def prepare(config: PrepareConfig) -> str:
                     raise PrepareError(f"{result.bad_line}; --skip-bad-lines skips such lines")
                 _write(outputs, result)
                 progress.update(result.documents, result.token_count, result.skipped,
-                                result.input_bytes)
+                                result.input_bytes, result.fast)
             progress.close()
             if not progress.documents:
                 raise PrepareError(f"no document to write ({progress.summary()})")

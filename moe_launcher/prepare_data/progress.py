@@ -17,8 +17,11 @@ def _rate(count: float, seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total_bytes: int, log_interval: float, stream=None):
+    def __init__(self, total_bytes: int, log_interval: float, stream=None,
+                 piece_cache: bool = False):
         self.stream = stream or sys.stderr
+        self.piece_cache = piece_cache  # whether the workers have piece_cache's encoder
+        self.fast = Counter()
         self.total_bytes = max(1, total_bytes)
         self.log_interval = log_interval
         self.start = self.last_log = time.monotonic()
@@ -31,7 +34,9 @@ class Progress:
             self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=self.stream,
                             desc="prepare_data", dynamic_ncols=True)
 
-    def update(self, documents: int, tokens: int, skipped: Counter, input_bytes: int) -> None:
+    def update(self, documents: int, tokens: int, skipped: Counter, input_bytes: int,
+               fast: Counter | None = None) -> None:
+        self.fast.update(fast or {})
         self.documents += documents
         self.tokens += tokens
         self.skipped.update(skipped)
@@ -57,6 +62,9 @@ class Progress:
     def summary(self) -> str:
         reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.skipped.items()))
         skipped = sum(self.skipped.values())
+        path = (f"; {self.fast['documents']} documents by the byte-level piece cache, "
+                f"{self.fast['mismatches']} mismatches" if self.piece_cache else
+                "; the tokenizer's own encoding (not one the piece cache reproduces)")
         return (f"{self.documents} documents, {self.tokens} tokens, "
                 f"{skipped} skipped{f' ({reasons})' if reasons else ''}, "
-                f"{time.monotonic() - self.start:.1f} seconds")
+                f"{time.monotonic() - self.start:.1f} seconds{path}")

@@ -36,6 +36,7 @@ class WorkerSetup:
     skip_bad_lines: bool
     dtype: type                      # the .bin dtype megatron picks for the vocabulary
     parent_pid: int
+    encoder: object = None           # a piece_cache.PieceCacheEncoder where it is exact
 
 
 _setup: WorkerSetup | None = None
@@ -77,11 +78,18 @@ def process(chunk: Chunk, setup: WorkerSetup) -> ChunkResult:
             per_document[key].append(len(sequences))
 
     hf = hf_tokenizer(setup.tokenizer)
+    encoder = setup.encoder
+    before = (encoder.fast_documents, encoder.mismatches) if encoder else (0, 0)
     eod = setup.tokenizer.eod  # a property that looks the token up on every call
     tokens, lengths, sequences = {}, {}, {}
     for key in setup.keys:
-        ids = iter(hf(texts[key], return_attention_mask=False, return_token_type_ids=False)
-                   ["input_ids"] if texts[key] else [])
+        if not texts[key]:
+            ids = iter([])
+        elif encoder:
+            ids = iter(encoder.encode(texts[key]))
+        else:
+            ids = iter(hf(texts[key], return_attention_mask=False, return_token_type_ids=False)
+                       ["input_ids"])
         kept, counts = [], []
         for count in per_document[key]:
             document = [sequence for sequence in itertools.islice(ids, count) if sequence]
@@ -93,7 +101,12 @@ def process(chunk: Chunk, setup: WorkerSetup) -> ChunkResult:
         sequences[key] = numpy.array(counts, dtype=numpy.int64)
         tokens[key] = numpy.fromiter(itertools.chain.from_iterable(kept), dtype=setup.dtype,
                                      count=int(lengths[key].sum()))
-    return ChunkResult(tokens, lengths, sequences, +skipped, input_bytes=chunk.input_bytes)
+    fast = Counter()
+    if encoder:
+        fast.update(documents=encoder.fast_documents - before[0],
+                    mismatches=encoder.mismatches - before[1])
+    return ChunkResult(tokens, lengths, sequences, +skipped, input_bytes=chunk.input_bytes,
+                       fast=fast)
 
 
 def _records(chunk: Chunk, setup: WorkerSetup, skipped: Counter) -> Iterator[list | str]:
