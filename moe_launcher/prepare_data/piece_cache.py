@@ -21,9 +21,11 @@ a difference turns the path off for the rest of that worker's run and re-encodes
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import random
+import re
 import string
 
 # The ByteLevel pre-tokenizer's own regex when `use_regex` is true (GPT-2's).
@@ -50,6 +52,49 @@ def _byte_level_alphabet() -> dict[int, str]:
     return mapping
 
 
+# What the Unicode letter and number classes are on ASCII text: (inside a [...] class, alone).
+_ON_ASCII = {"L": ("A-Za-z", "[A-Za-z]"), "N": ("0-9", "[0-9]")}
+# Unicode's White_Space on ASCII (`re`'s \s also takes \x1c-\x1f, the tokenizers' does not).
+_SPACE = "\\t\\n\\x0b\\x0c\\r "
+
+
+def _ascii_pattern(pattern: str) -> str | None:
+    """`pattern` with \\p{L}, \\p{N}, \\s and \\S written as the ASCII characters they match on
+    ASCII text, for the standard library's `re` (about twice as fast as `regex` here); None where
+    it uses another Unicode property."""
+    out, inside, i = [], False, 0
+    while i < len(pattern):
+        if pattern.startswith("\\p{", i):
+            end = pattern.find("}", i)
+            name = pattern[i + 3:end]
+            if name not in _ON_ASCII:
+                return None
+            out.append(_ON_ASCII[name][0 if inside else 1])
+            i = end + 1
+            continue
+        if pattern.startswith("\\s", i):
+            out.append(_SPACE if inside else f"[{_SPACE}]")
+            i += 2
+            continue
+        if pattern.startswith("\\S", i):
+            if inside:
+                return None
+            out.append(f"[^{_SPACE}]")
+            i += 2
+            continue
+        if pattern[i] == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if pattern[i] == "[" and not inside:
+            inside = True
+        elif pattern[i] == "]" and inside:
+            inside = False
+        out.append(pattern[i])
+        i += 1
+    return "".join(out)
+
+
 def _split_regex(pre_tokenizer: dict | None) -> str | None:
     """The regex that splits text into pieces, where the pre-tokenizer is one this path
     reproduces; else None."""
@@ -71,21 +116,20 @@ def _split_regex(pre_tokenizer: dict | None) -> str | None:
 
 
 class PieceCacheEncoder:
-    def __init__(self, hf, pattern: str):
-        import regex
-
+    def __init__(self, hf, split):
         self.hf = hf  # transformers' fast tokenizer: the reference and the fallback
         self.backend = hf.backend_tokenizer
-        self.split = regex.compile(pattern)
+        self.split = split  # a compiled pattern (`re` or `regex`)
         self.alphabet = _byte_level_alphabet()
         self.cache: dict[str, list[int]] = {}
         added = [token.content for token in hf.added_tokens_decoder.values()]
         ascii_added = [content for content in added if content.isascii() and content]
-        self.added = regex.compile("|".join(map(regex.escape, ascii_added))) if ascii_added \
+        self.added = re.compile("|".join(map(re.escape, ascii_added))) if ascii_added \
             else None
         probe = "a"
         whole = self._reference([probe])[0]
-        body = self._piece_ids(probe)
+        self._add([probe])
+        body = self.cache[probe]
         at = next((i for i in range(len(whole) - len(body) + 1)
                    if whole[i:i + len(body)] == body), None)
         if at is None:
@@ -113,27 +157,41 @@ class PieceCacheEncoder:
         pattern = _split_regex(config.get("pre_tokenizer"))
         if pattern is None:
             return None
-        try:
-            encoder = cls(hf, pattern)
-        except ValueError:
-            return None
-        return encoder if encoder._agrees() else None
+        import regex
+
+        splits = []
+        with contextlib.suppress(re.error, TypeError):  # (None: another Unicode property)
+            splits.append(re.compile(_ascii_pattern(pattern)))
+        splits.append(regex.compile(pattern))
+        for split in splits:  # the first that agrees with the tokenizer everywhere it is checked
+            try:
+                encoder = cls(hf, split)
+            except ValueError:
+                return None
+            if encoder._agrees():
+                return encoder
+        return None
 
     def _reference(self, texts: list[str]) -> list[list[int]]:
         return self.hf(texts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
-    def _piece_ids(self, piece: str) -> list[int]:
-        ids = self.cache.get(piece)
-        if ids is None:
-            if len(self.cache) >= CACHE_LIMIT:
-                self.cache.clear()
+    def _add(self, pieces) -> None:
+        """Each piece's ids from the tokenizer's BPE model on its byte-level form."""
+        if len(self.cache) + len(pieces) > CACHE_LIMIT:
+            self.cache.clear()
+        for piece in pieces:
             mapped = "".join(self.alphabet[byte] for byte in piece.encode("utf-8"))
-            ids = self.cache[piece] = [token.id for token in self.backend.model.tokenize(mapped)]
-        return ids
+            self.cache[piece] = [token.id for token in self.backend.model.tokenize(mapped)]
 
     def _fast(self, text: str) -> list[int]:
-        body = list(itertools.chain.from_iterable(map(self._piece_ids, self.split.findall(text))))
-        return [*self.prefix, *body, *self.suffix]
+        pieces = self.split.findall(text)
+        try:  # lookups only, no Python call per piece
+            return [*self.prefix, *itertools.chain.from_iterable(
+                map(self.cache.__getitem__, pieces)), *self.suffix]
+        except KeyError:
+            self._add(set(pieces).difference(self.cache))
+            return [*self.prefix, *itertools.chain.from_iterable(
+                map(self.cache.__getitem__, pieces)), *self.suffix]
 
     def _agrees(self) -> bool:
         """Every ASCII character in the contexts a split regex tells apart (after a letter, a

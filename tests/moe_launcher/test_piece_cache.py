@@ -8,6 +8,7 @@ re-encoded by the tokenizer. Tokenizers are trained here with `tokenizers`."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -74,6 +75,14 @@ def test_same_ids_as_the_tokenizer(kind):
     fast = [t for t in texts if t and t.isascii() and BOS not in t and EOS not in t]
     assert encoder.fast_documents == len(fast) > 100 and encoder.mismatches == 0
     assert encoder.prefix == [hf.convert_tokens_to_ids(BOS)] and encoder.suffix == []
+    # its split is the regex written for ASCII, run by the standard library's `re`
+    assert isinstance(encoder.split, re.Pattern)
+
+
+def test_a_pattern_with_another_unicode_property_keeps_the_regex_module():
+    assert piece_cache._ascii_pattern(r" ?\p{Lu}+| ?\p{N}+") is None
+    assert piece_cache._ascii_pattern(r"[^\S\p{L}]") is None  # \S inside a class
+    assert piece_cache._ascii_pattern(r"\p{N}{1,3}|\s+") == r"[0-9]{1,3}|[\t\n\x0b\x0c\r ]+"
 
 
 def test_declines_a_metaspace_tokenizer():
@@ -84,7 +93,6 @@ def test_a_wrong_cached_piece_is_caught_and_the_batch_reencoded():
     hf = _fast_tokenizer("gpt2")
     encoder = piece_cache.PieceCacheEncoder.for_tokenizer(hf)
     texts = [f"the router {i}" for i in range(2 * piece_cache.CHECK_EVERY)]
-    encoder._piece_ids(" router")
     encoder.cache[" router"] = [0]  # as a wrong split or model call would leave it
     assert encoder.encode(texts) == _reference(hf, texts)
     assert (encoder.mismatches, encoder.enabled, encoder.fast_documents) == (1, False, 0)
