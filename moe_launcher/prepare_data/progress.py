@@ -62,7 +62,7 @@ class Progress:
     def summary(self) -> str:
         reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.skipped.items()))
         skipped = sum(self.skipped.values())
-        path = (f"; {self.fast['documents']} documents by the byte-level piece cache, "
+        path = (f"; {self.fast['documents']} documents by the piece cache, "
                 f"{self.fast['mismatches']} mismatches" if self.piece_cache else
                 "; the tokenizer's own encoding (not one the piece cache reproduces)")
         return (f"{self.documents} documents, {self.tokens} tokens, "

@@ -17,6 +17,7 @@ import json
 import os
 import pty
 import random
+import re
 import signal
 import struct
 import subprocess
@@ -47,14 +48,19 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def _build_tokenizer(folder: Path) -> None:
+def _build_tokenizer(folder: Path, metaspace: bool = False) -> None:
+    """A byte-level BPE (GPT-2's pre-tokenizer), or a SentencePiece-like Metaspace BPE, with a
+    BOS post-processor."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(1)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    if metaspace:
+        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
     # Trained serially: a parallel trainer leaves tokenizers' thread pool in this process, and
     # the in-process runs below fork.
     with pytest.MonkeyPatch.context() as env:
@@ -62,7 +68,8 @@ def _build_tokenizer(folder: Path) -> None:
         tokenizer.train_from_iterator(
             (_text(rng, 50) for _ in range(400)),
             trainers.BpeTrainer(vocab_size=600, special_tokens=[EOS, BOS],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                initial_alphabet=[] if metaspace else
+                                pre_tokenizers.ByteLevel.alphabet()))
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=BOS,
@@ -231,6 +238,27 @@ def test_the_tools_method_writes_the_same_bytes(corpus, prepared, tmp_path):
     tokens = sum(len(dataset[i]) for i in range(len(dataset)))
     assert (f"prepare_data: done: {len(corpus.texts)} documents, {tokens} tokens, {SKIPPED}"
             in prepared["one_out"])
+    # the ASCII documents took the piece cache (moe_launcher/prepare_data/piece_cache.py)
+    fast = re.search(r"; (\d+) documents by the piece cache, 0 mismatches", prepared["one_out"])
+    assert fast and int(fast.group(1)) > 10, prepared["one_out"]  # (most hold a unicode word)
+
+
+def test_a_metaspace_tokenizer_writes_the_tools_bytes_through_the_piece_cache(corpus, tmp_path):
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    _build_tokenizer(tmp_path / "metaspace", metaspace=True)
+    code, out, err = _in_process("--tokenizer", str(tmp_path / "metaspace"), "--append-eod",
+                                 "--skip-bad-lines", "--input", *corpus.inputs,
+                                 "--output-prefix", str(tmp_path / "ours"), "--workers", "1")
+    assert code == 0, err
+    fast = re.search(r"; (\d+) documents by the piece cache, 0 mismatches", out)
+    assert fast and int(fast.group(1)) > 10, out
+    megatron = MegatronTokenizer.from_pretrained(tokenizer_path=str(tmp_path / "metaspace"),
+                                                 metadata_path={"library": "huggingface"})
+    _tool_method(corpus.texts, megatron, str(tmp_path / "tool"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours_text_document{ext}").read_bytes() == \
+            (tmp_path / f"tool{ext}").read_bytes(), ext
 
 
 def test_split_sentences_is_refused(corpus, tmp_path):
