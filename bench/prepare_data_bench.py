@@ -2,6 +2,7 @@
 against a plain loop of megatron's tokenize(text) in one process, and peak memory.
 
     .venv/bin/python bench/prepare_data_bench.py [--megabytes 50] [--workers N]
+        [--tokenizer byte-level|metaspace]
 
 Builds, in a temporary folder, a synthetic JSON lines corpus (pseudo-words, documents of 50 to
 800 words) and a byte-level BPE tokenizer trained on part of it with `tokenizers` (saved as a
@@ -47,18 +48,24 @@ def write_corpus(path: Path, megabytes: int) -> int:
     return documents
 
 
-def build_tokenizer(corpus: Path, folder: Path) -> None:
+def build_tokenizer(corpus: Path, folder: Path, kind: str = "byte-level") -> None:
+    """A BPE of 32000 tokens trained on the corpus: GPT-2's byte-level pre-tokenizer, or a
+    SentencePiece-like Metaspace one (`kind` "metaspace")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     with open(corpus) as f:
         sample = [json.loads(line)["text"] for line, _ in zip(f, range(3000))]
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    metaspace = kind == "metaspace"
+    if metaspace:
+        tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train_from_iterator(sample, trainers.BpeTrainer(
         vocab_size=32000, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        initial_alphabet=[] if metaspace else pre_tokenizers.ByteLevel.alphabet()))
     PreTrainedTokenizerFast(tokenizer_object=tokenizer,
                             eos_token="<|endoftext|>").save_pretrained(folder)
 
@@ -166,6 +173,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--megabytes", type=int, default=50)
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--tokenizer", choices=("byte-level", "metaspace"), default="byte-level")
     args = parser.parse_args()
     n = args.workers
     with tempfile.TemporaryDirectory(prefix="prepare-data-bench-") as folder:
@@ -173,9 +181,9 @@ def main() -> None:
         corpus, quarter, tokenizer = root / "corpus.jsonl", root / "quarter.jsonl", root / "tok"
         documents = write_corpus(corpus, args.megabytes)
         write_corpus(quarter, args.megabytes // 4)
-        build_tokenizer(corpus, tokenizer)
+        build_tokenizer(corpus, tokenizer, args.tokenizer)
         print(f"corpus: {corpus.stat().st_size / 1e6:.1f} MB JSON lines, {documents} documents;"
-              f" tokenizer: byte-level BPE, vocabulary 32000; cores: {os.cpu_count()}",
+              f" tokenizer: {args.tokenizer} BPE, vocabulary 32000; cores: {os.cpu_count()}",
               flush=True)
         plain = plain_loop(corpus, tokenizer)
         tool = tool_method(corpus, tokenizer, root / "tool", n)
