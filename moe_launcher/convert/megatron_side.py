@@ -129,6 +129,22 @@ def build(model_config):
     return model.to(model_config.params_dtype)
 
 
+def _shards_on(entry, data: torch.Tensor) -> list[tuple]:
+    """(ShardedTensor, its tensor) for each shard of one entry of megatron's sharded state dict
+    of the model, with `data` in place of the (possibly meta) parameter: a factory's shards
+    (SwiGLU's w and v) are rebuilt on it, as views of it."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if not isinstance(entry, ShardedTensorFactory):
+        return [(entry, data)]
+    meta, entry.data = entry.data, data
+    try:
+        built = entry.build()
+    finally:
+        entry.data = meta
+    return [(shard, shard.data) for shard in (built if isinstance(built, list) else [built])]
+
+
 class _ShardSource:
     """The tensor of each shard megatron's save of the one-rank model writes, made when the save
     writes it: megatron's own sharded state dict of the model says which parameter a (key,
@@ -136,35 +152,23 @@ class _ShardSource:
     parameter is kept at a time (a factory's shards are written one after the other)."""
 
     def __init__(self, model, metadata: dict, read):
-        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensorFactory
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         self.read, self.entries, self.where = read, {}, {}
         for name, entry in model.sharded_state_dict(metadata=metadata).items():
             if isinstance(entry, ShardedObject):  # TE's _extra_state: no weights
                 continue
             self.entries[name] = entry
-            shards = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
-            for k, shard in enumerate(shards if isinstance(shards, list) else [shards]):
+            for k, (shard, _) in enumerate(_shards_on(entry, entry.data)):
                 self.where[shard.key, tuple(shard.global_offset)] = (name, k)
         self.held: tuple[str | None, list[torch.Tensor]] = (None, [])
 
     def tensor(self, key: str, offset) -> torch.Tensor:
-        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
         name, k = self.where[key, tuple(offset)]
         if self.held[0] != name:
             entry = self.entries[name]
             weight = self.read(name).to(entry.data.dtype)  # no copy where it already is
-            if isinstance(entry, ShardedTensorFactory):  # its shards are views of its data
-                meta, entry.data = entry.data, weight
-                try:
-                    built = entry.build()
-                finally:
-                    entry.data = meta
-                parts = [shard.data for shard in (built if isinstance(built, list) else [built])]
-            else:
-                parts = [weight]
-            self.held = (name, parts)
+            self.held = (name, [part for _, part in _shards_on(entry, weight)])
         return self.held[1][k]
 
 
@@ -376,20 +380,10 @@ class _TorchDistReader:
 
     def read(self, name: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
-        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
         entry = self.entries[name]
         target = torch.zeros(entry.data.shape, dtype=entry.data.dtype)
-        if isinstance(entry, ShardedTensorFactory):  # its shards are views of its data
-            meta, entry.data = entry.data, target
-            try:
-                built = entry.build()
-            finally:
-                entry.data = meta
-            shards = built if isinstance(built, list) else [built]  # SwiGLU: its w and v
-            regions = [self._region(shard, shard.data) for shard in shards]
-        else:
-            regions = [self._region(entry, target)]
+        regions = [self._region(shard, part) for shard, part in _shards_on(entry, target)]
         dcp.load({}, storage_reader=self.storage, planner=_RegionPlanner(regions), no_dist=True)
         return target
 
