@@ -150,6 +150,27 @@ def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypa
     assert said == [], said  # only megatron's dump of every argument names it
 
 
+def test_gated_delta_net_at_tp_needs_sequence_parallelism():
+    """Megatron-LM #7452 finding 11 (GPU only: GDN needs TE and flash-linear-attention, so the
+    check is judged on the args): a `G` layer at TP > 1 without --sequence-parallel is refused,
+    naming the flag and the fix; with it, at TP 1, or without `G`, it passes."""
+    import types
+
+    from moe_launcher.preflight import check_gated_delta_net_tensor_parallel_norm as check
+    from moe_launcher.runtime.refusals import PreflightError
+
+    def args(pattern, tp, sp):
+        return types.SimpleNamespace(hybrid_layer_pattern=pattern, hybrid_override_pattern=None,
+                                     tensor_model_parallel_size=tp, sequence_parallel=sp)
+
+    with pytest.raises(PreflightError) as refused:
+        check(args("GGG*-E", 2, False))
+    assert "--sequence-parallel" in str(refused.value) and "#7452" in str(refused.value)
+    for fine in (args("GGG*-E", 2, True), args("GGG*-E", 1, False), args("MM*-E", 2, False),
+                 args(None, 4, False)):
+        assert check(fine) is None
+
+
 def test_mtp_per_token_loss_passes_where_every_micro_batch_has_the_same_counts(monkeypatch):
     """Without --eod-mask-loss every micro-batch's original/rolled ratio is the step's
     (seq_length / (seq_length - 1) per MTP depth): megatron's weighting is exact, not refused."""
