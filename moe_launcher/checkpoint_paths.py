@@ -112,3 +112,45 @@ def check_megatron_fsdp_load_format(args) -> None:
                                        f"{args.load} OUT_DIR` and --load OUT_DIR, or train "
                                        "without --use-megatron-fsdp (--use-distributed-optimizer, "
                                        "--ckpt-format torch_dist)")
+
+
+# What decides which global layers each pipeline stage builds.
+_PIPELINE_LAYOUT = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                    "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers")
+
+
+@preflight_check("megatron-fsdp-loads-its-pipeline-layout")
+def check_megatron_fsdp_pipeline_layout(args) -> None:
+    # megatron-core 0.19.2's fsdp_dtensor checkpoints name layers by each stage's local index
+    # (Megatron-FSDP's state dict is the module's own; only sharded_state_dict adds the stage's
+    # offset), so a Megatron-FSDP run whose stages hold other layers than the saving run's loads
+    # the wrong layers, strictly and without a word (Megatron-LM #7452, finding 12). With one
+    # stage on both sides the local and global indices agree.
+    iteration = loaded_iteration_dir(args.load, args.ckpt_step)
+    if not getattr(args, "use_megatron_fsdp", False) or iteration is None \
+            or saved_backend(iteration) == "torch_dist":
+        return  # (megatron-fsdp-loads-fsdp-dtensor judges a torch_dist one)
+    from moe_launcher.convert.errors import ConvertError
+    from moe_launcher.convert.fsdp_dtensor import saved_args
+
+    try:
+        saved = saved_args(iteration)
+    except ConvertError:
+        return  # unreadable: the load checks judge it
+    run = {name: getattr(args, name, None) for name in _PIPELINE_LAYOUT}
+    was = {name: getattr(saved, name, None) for name in _PIPELINE_LAYOUT}
+    if run == was or (run["pipeline_model_parallel_size"] or 1) == \
+            (was["pipeline_model_parallel_size"] or 1) == 1:
+        return
+    differ = ", ".join(f"{name} {was[name]} -> {run[name]}" for name in _PIPELINE_LAYOUT
+                       if run[name] != was[name])
+    raise PreflightError("--pipeline-model-parallel-size",
+                         f"--load {iteration} is an fsdp_dtensor checkpoint saved with another "
+                         f"pipeline layout ({differ}); megatron-core 0.19.2 names its layers by "
+                         "each stage's local index, so this run's stages would load other "
+                         "layers than theirs, without an error (Megatron-LM #7452, finding 12); "
+                         "fix: resume with the saved pipeline layout, or go through torch_dist "
+                         "(`python -m moe_launcher.convert to-torch-dist` and a run without "
+                         "--use-megatron-fsdp)")
+

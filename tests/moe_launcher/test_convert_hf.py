@@ -684,6 +684,36 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     assert "is damaged" in refused(capsys, tmp_path, "export-hf", damaged)
 
 
+def test_megatron_fsdp_refuses_an_fsdp_dtensor_load_at_another_pipeline_layout(
+        family_conversions, tmp_path):
+    """Megatron-LM #7452 finding 12: megatron-core 0.19.2's fsdp_dtensor checkpoints name layers
+    by each stage's local index (its Megatron-FSDP adapter saves the module's own state_dict), so
+    a Megatron-FSDP run at another pipeline layout would load other layers than its own. The
+    preflight check reads the layout saved in the checkpoint (here to-fsdp-dtensor's release, PP
+    1) and refuses a PP 2 run; PP 1 passes, as does a run without Megatron-FSDP."""
+    import types
+
+    from moe_launcher.checkpoint_paths import check_megatron_fsdp_pipeline_layout as check
+    from moe_launcher.runtime.refusals import PreflightError
+
+    _, _, ckpt, _ = family_conversions("qwen3_moe")
+    convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp", "--transformer-impl", "local")
+
+    def run(pp: int, fsdp: bool = True):
+        return types.SimpleNamespace(
+            load=str(tmp_path / "fsdp"), ckpt_step=None, use_megatron_fsdp=fsdp,
+            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+            pipeline_model_parallel_layout=None, decoder_first_pipeline_num_layers=None,
+            decoder_last_pipeline_num_layers=None)
+
+    with pytest.raises(PreflightError) as refused:
+        check(run(2))
+    assert "pipeline_model_parallel_size 1 -> 2" in str(refused.value), refused.value
+    assert "finding 12" in str(refused.value) and refused.value.flag == \
+        "--pipeline-model-parallel-size"
+    assert check(run(1)) is None and check(run(2, fsdp=False)) is None
+
+
 def test_refuses_an_output_folder_that_holds_files(qwen_dir, tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("not ours")
