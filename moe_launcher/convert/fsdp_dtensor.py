@@ -25,6 +25,7 @@ import re
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .dcp_files import BoundedFilesWriter
@@ -146,7 +147,7 @@ def saved_args(path: str):
     state = {"args": None}
     try:
         dcp.load(state, checkpoint_id=path, no_dist=True)
-    except Exception as error:
+    except (Exception, CheckpointException) as error:  # (DCP's is a BaseException)
         raise ConvertError(f"{path} holds no readable megatron args ({type(error).__name__})") \
             from None
     if state["args"] is None:
