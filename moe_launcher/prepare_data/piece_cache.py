@@ -205,7 +205,7 @@ class PieceCacheEncoder:
         return self.hf(texts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
     def _add(self, pieces) -> None:
-        """Each piece's ids from the tokenizer's BPE model on its byte-level form."""
+        """Each piece's ids from the tokenizer's BPE model on its form (byte-level, or itself)."""
         if len(self.cache) + len(pieces) > CACHE_LIMIT:
             self.cache.clear()
         for piece in pieces:
