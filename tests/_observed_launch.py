@@ -25,7 +25,12 @@ when its environment variable names a directory:
   under torch's FlopCounterMode, on the device it trains on, and writes
   {"device": ..., "flop_counter": FLOPs torch counted, "census": the FLOPs the layer census
   predicts for it (flops_from_layer_census, full attention)} to that file. The gradients it
-  leaves are zeroed by the training step, which starts by zeroing the gradient buffers.
+  leaves are zeroed by the training step, which starts by zeroing the gradient buffers;
+* $ROUTER_COUNT_DIR: at the first iteration's gradient finalization (before megatron's
+  expert-bias update uses and zeroes them), each rank writes, per router, the dtype and values of
+  its expert-bias token counter and the routing decisions its forwards made, counted here
+  (routing_map summed, for forwards with gradients, as megatron counts), to
+  router_counts_rank{R}.json.
 """
 
 import functools
@@ -241,6 +246,36 @@ def _observe_flops(training) -> None:
     training.train_step = train_step
 
 
+def _observe_router_counts(training) -> None:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    forward, finalize = TopKRouter.forward, training.finalize_model_grads
+
+    @functools.wraps(forward)
+    def counted_forward(self, *args, **kwargs):
+        probs, routing_map = forward(self, *args, **kwargs)
+        if torch.is_grad_enabled():
+            self.observed_routed = getattr(self, "observed_routed", 0) + \
+                routing_map.sum(dim=0).to(torch.int64)
+        return probs, routing_map
+
+    @functools.wraps(finalize)
+    def finalize_model_grads(model, *args, **kwargs):
+        path = os.path.join(os.environ["ROUTER_COUNT_DIR"],
+                            f"router_counts_rank{torch.distributed.get_rank()}.json")
+        if not os.path.exists(path):
+            routers = [module for chunk in model for module in chunk.modules()
+                       if isinstance(module, TopKRouter)]
+            with open(path, "w") as f:
+                json.dump([{"dtype": str(router.local_tokens_per_expert.dtype),
+                            "counts": router.local_tokens_per_expert.tolist(),
+                            "routed": router.observed_routed.tolist()} for router in routers], f)
+        return finalize(model, *args, **kwargs)
+
+    TopKRouter.forward = counted_forward
+    training.finalize_model_grads = finalize_model_grads
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from moe_launcher import cpu_backend
@@ -256,4 +291,6 @@ if __name__ == "__main__":
         _observe_memory(training)
     if os.environ.get("FLOP_COUNT_FILE"):
         _observe_flops(training)
+    if os.environ.get("ROUTER_COUNT_DIR"):
+        _observe_router_counts(training)
     pretrain_moe.main(sys.argv[1:])

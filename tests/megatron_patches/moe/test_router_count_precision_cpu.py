@@ -67,3 +67,40 @@ def test_router_counts_stay_fp32_and_exact_under_bf16(case, patched, monkeypatch
         print(f"{case}: unpatched {buffer} off by up to {max(errors)} tokens, routed "
               f"{[routed[id(r)].tolist() for r in routers]}")
         assert max(errors) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_launched_bf16_run_keeps_exact_counts(patched, tmp_path):
+    """pretrain_moe.py, --bf16 with expert bias, one micro-batch of 2048 tokens (about 512 per
+    expert, top-2 of 8): the counter megatron's expert-bias update reads equals the routing
+    decisions counted beside it (tests/_observed_launch.py). With the patch left out
+    (MEGATRON_PATCHES_DISABLE) the counter is bf16, holds the routed counts as bf16 rounds them,
+    and at least one count is off."""
+    import json
+
+    from _launch import REPO, TINY_MODEL, launch
+
+    args = [*TINY_MODEL, "--seq-length", "512", "--max-position-embeddings", "512",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "1",
+            "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+            "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0"]
+    env = {"ROUTER_COUNT_DIR": str(tmp_path)}
+    if not patched:
+        env["MEGATRON_PATCHES_DISABLE"] = PATCH
+    run = launch(1, args, env=env, script=REPO / "tests" / "_observed_launch.py",
+                 timeout=300).check()
+    said = f"{PATCH}: applied" if patched else f"{PATCH}: skipped (disabled by MEGATRON_PATCHES"
+    assert said in run.log, run.log[-3000:]
+    routers = json.loads((tmp_path / "router_counts_rank0.json").read_text())
+    assert len(routers) == 2 and max(max(r["routed"]) for r in routers) > 256, routers
+    for router in routers:
+        routed = torch.tensor(router["routed"])
+        if patched:
+            assert router["dtype"] == "torch.float32" and router["counts"] == routed.tolist(), router
+        else:
+            assert router["dtype"] == "torch.bfloat16", router
+            assert router["counts"] == routed.to(torch.bfloat16).float().tolist(), router
+    if not patched:
+        assert any(r["counts"] != r["routed"] for r in routers), routers
+
