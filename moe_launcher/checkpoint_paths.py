@@ -15,7 +15,8 @@ import tempfile
 
 from moe_launcher.checkpoint_files import save_continuity
 from moe_launcher.checkpoint_files.commit_protocol import TRACKER, loaded_iteration_dir
-from moe_launcher.checkpoint_files.metadata import saved_backend
+from moe_launcher.checkpoint_files.metadata import (
+    UnreadableCheckpoint, read_checkpoint_metadata, saved_backend)
 from moe_launcher.preflight import preflight_check
 from moe_launcher.runtime.refusals import PreflightError
 
@@ -131,13 +132,10 @@ def check_megatron_fsdp_pipeline_layout(args) -> None:
     if not getattr(args, "use_megatron_fsdp", False) or iteration is None \
             or saved_backend(iteration) == "torch_dist":
         return  # (megatron-fsdp-loads-fsdp-dtensor judges a torch_dist one)
-    from moe_launcher.convert.errors import ConvertError
-    from moe_launcher.convert.fsdp_dtensor import saved_args
-
     try:
-        saved = saved_args(iteration)
-    except ConvertError:
-        return  # unreadable: the load checks judge it
+        saved = read_checkpoint_metadata(iteration, with_payload=False).args
+    except UnreadableCheckpoint:
+        return  # the load checks judge it
     run = {name: getattr(args, name, None) for name in _PIPELINE_LAYOUT}
     was = {name: getattr(saved, name, None) for name in _PIPELINE_LAYOUT}
     if run == was or (run["pipeline_model_parallel_size"] or 1) == \

@@ -31,13 +31,20 @@ def _source(ckpt_dir: str, iteration: int | None, wanted: str):
     return path, megatron_side.saved_args(path)
 
 
-def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
-    check_target(out_dir)
-    path, args = _source(ckpt_dir, iteration, "fsdp_dtensor")
-    with torch.device("meta"):  # names and shapes: each weight is read as it is written
+def _model_and_reader(path: str, args):
+    """The one-rank model of the checkpoint's args on the meta device (names and shapes: each
+    weight is read as it is written) and the checkpoint's reader, checked to hold every weight."""
+    with torch.device("meta"):
         model = megatron_side.build(megatron_side.world_one_config(args))
     reader = megatron_side.open_reader(model, path)
     megatron_side.check_covers(reader, model, path)
+    return model, reader
+
+
+def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
+    check_target(out_dir)
+    path, args = _source(ckpt_dir, iteration, "fsdp_dtensor")
+    model, reader = _model_and_reader(path, args)
     with staged_folder(out_dir) as staging:
         megatron_side.save_release(model, reader.read, megatron_side.world_one_args(args),
                                    staging)
@@ -47,9 +54,7 @@ def to_torch_dist(ckpt_dir: str, out_dir: str, iteration: int | None) -> None:
 def to_fsdp_dtensor(ckpt_dir: str, out_dir: str, iteration: int | None, spec: str) -> None:
     check_target(out_dir)
     path, args = _source(ckpt_dir, iteration, "torch_dist")
-    with torch.device("meta"):  # names and shapes: each weight is read as it is written
-        model = megatron_side.build(megatron_side.world_one_config(args))
-    reader = megatron_side.open_reader(model, path)
+    model, reader = _model_and_reader(path, args)
     with staged_folder(out_dir) as staging:
         fsdp_dtensor.save_release(model, reader.read,
                                   megatron_side.world_one_args(args, "fsdp_dtensor"), staging, spec)

@@ -16,7 +16,7 @@ import torch
 from . import megatron_side
 from .architecture import hf_config_kwargs
 from .families import family_of_args
-from .hf_files import ShardWriter, copy_tokenizer, progress_bar, read_config_json
+from .hf_files import ShardWriter, copy_tokenizer, read_config_json, read_with_progress
 from .staging import check_target, staged_folder
 from .errors import ConvertError
 from .tensor_map import hf_shapes, rules, split, unmapped
@@ -102,13 +102,11 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
         if tokenizer:
             copy_tokenizer(tokenizer, staging)
         writer = ShardWriter(staging, max_shard_bytes, planned)
-        with progress_bar(sum(params[rule.megatron].nbytes for rule in mapping),
-                          "export-hf") as bar:
+        with read_with_progress(reader.read, model, "export-hf") as read:
             for rule in mapping:
-                weight = reader.read(rule.megatron)
+                weight = read(rule.megatron)
                 for name, tensor in zip(rule.hf, split(rule, weight, config)):
                     writer.add(name, tensor)
-                bar.update(weight.nbytes)
                 del weight
         writer.finish()
         config.save_pretrained(staging)

@@ -25,7 +25,6 @@ import re
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .dcp_files import BoundedFilesWriter
@@ -102,6 +101,11 @@ def _spec_of(saved: dict, candidates: dict[str, dict[str, list[str]]]) -> str:
                        "partial or of another model")
 
 
+def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    """The shape of each of a parameter's `parts` saved tensors (a SwiGLU fc1's two halves)."""
+    return ((shape[0] // parts,) if shape else ()) + shape[1:]
+
+
 class Reader:
     """The one-rank model's parameters read one at a time from an fsdp_dtensor iteration
     folder, each saved tensor read once, in the model's dtype. Refuses, on opening, a checkpoint
@@ -124,7 +128,7 @@ class Reader:
                         if name in self.names}
         for name, stored in self.names.items():
             shape = self.targets[name][0]
-            whole = ((shape[0] // len(stored),) if shape else ()) + shape[1:]
+            whole = _part_shape(shape, len(stored))
             for key in stored:
                 if tuple(self.saved[key].size) != whole:
                     raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{key} has shape "
@@ -144,15 +148,16 @@ class Reader:
 
 def saved_args(path: str):
     """The args an fsdp_dtensor checkpoint was saved with."""
-    state = {"args": None}
+    from moe_launcher.checkpoint_files.metadata import (
+        UnreadableCheckpoint, read_checkpoint_metadata)
+
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    except (Exception, CheckpointException) as error:  # (DCP's is a BaseException)
-        raise ConvertError(f"{path} holds no readable megatron args ({type(error).__name__})") \
-            from None
-    if state["args"] is None:
+        args = read_checkpoint_metadata(path, with_payload=False).args
+    except UnreadableCheckpoint as error:
+        raise ConvertError(f"{path} holds no readable megatron args ({error})") from None
+    if args is None:
         raise ConvertError(f"{path} holds no megatron args")
-    return state["args"]
+    return args
 
 
 class _PartsPlanner(dcp.DefaultSavePlanner):
@@ -186,8 +191,7 @@ def save_release(model, read, args, ckpt_root: str, spec: str) -> None:
               if isinstance(t, torch.Tensor)}  # (not TE's _extra_state)
     placeholders, part_of = {}, {}
     for name, stored in stored_names(model, spec).items():
-        shape = shapes[name]
-        part = ((shape[0] // len(stored),) if shape else ()) + shape[1:]
+        part = _part_shape(shapes[name], len(stored))
         for k, key in enumerate(stored):
             placeholders["module." + key] = torch.empty(part, dtype=torch.float32, device="meta")
             part_of[f"model.module.{key}"] = (name, k, len(stored))

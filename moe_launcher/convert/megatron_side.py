@@ -145,6 +145,15 @@ def _shards_on(entry, data: torch.Tensor) -> list[tuple]:
     return [(shard, shard.data) for shard in (built if isinstance(built, list) else [built])]
 
 
+def _weight_entries(model, metadata: dict) -> dict:
+    """Parameter name -> its entry of megatron's sharded state dict of the model (TE's
+    _extra_state objects, which hold no weights, left out)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {name: entry for name, entry in model.sharded_state_dict(metadata=metadata).items()
+            if not isinstance(entry, ShardedObject)}
+
+
 class _ShardSource:
     """The tensor of each shard megatron's save of the one-rank model writes, made when the save
     writes it: megatron's own sharded state dict of the model says which parameter a (key,
@@ -152,13 +161,8 @@ class _ShardSource:
     parameter is kept at a time (a factory's shards are written one after the other)."""
 
     def __init__(self, model, metadata: dict, read):
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        self.read, self.entries, self.where = read, {}, {}
-        for name, entry in model.sharded_state_dict(metadata=metadata).items():
-            if isinstance(entry, ShardedObject):  # TE's _extra_state: no weights
-                continue
-            self.entries[name] = entry
+        self.read, self.entries, self.where = read, _weight_entries(model, metadata), {}
+        for name, entry in self.entries.items():
             for k, (shard, _) in enumerate(_shards_on(entry, entry.data)):
                 self.where[shard.key, tuple(shard.global_offset)] = (name, k)
         self.held: tuple[str | None, list[torch.Tensor]] = (None, [])
@@ -349,15 +353,12 @@ class _TorchDistReader:
 
     def __init__(self, model, path: str):
         from megatron.core import dist_checkpointing, parallel_state
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = dict(dist_checkpointing.load_content_metadata(path) or {})
         metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(
             with_context_parallel=True)
-        self.entries = {name: entry for name, entry in
-                        model.sharded_state_dict(metadata=metadata).items()
-                        if not isinstance(entry, ShardedObject)}  # TE's _extra_state
+        self.entries = _weight_entries(model, metadata)
         self.storage = FileSystemReader(path)
         self.saved = self.storage.read_metadata()
         self.storage.read_metadata = lambda: self.saved  # read once, not once per parameter
