@@ -8,7 +8,8 @@ the CPU:
 
 * a TorchFunctionMode rewrites every CUDA device argument (and `.cuda()`) to the CPU;
 * the `torch.cuda` runtime calls megatron makes get CPU stand-ins (one device, no-op streams,
-  events that time with the wall clock, the CPU generator standing in for the CUDA generator);
+  events that time with the wall clock, a generator of the device's own that the random ops
+  meant for the device draw from);
 * a few megatron helpers and gloo gaps are bridged, each explained where it is set.
 
 It is never activated when CUDA is available: `activate()` refuses.
@@ -17,7 +18,7 @@ Strict device mode (`MEGATRON_PATCHES_STRICT_DEVICE=1`, which the test suite set
 every process it launches): on a GPU cluster megatron's default process group, and every group
 created without `backend="gloo"`, is NCCL, which refuses a host tensor; gloo accepts one, so such
 a bug passes every CPU run and kills every GPU run. In strict mode tensors known to live on the
-host (see `StrictCudaToCpu`) are refused by the tensor collectives on those groups, with an
+host (see `cuda_emulation.CudaToCpu`) are refused by the tensor collectives on those groups, with an
 error naming the collective.
 """
 
@@ -32,7 +33,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moe_launcher.cpu_backend.cuda_emulation import CUDA_RUNTIME, NVTX, CudaToCpu, eager_compile
+from moe_launcher.cpu_backend.cuda_emulation import (
+    CUDA_GENERATOR,
+    CUDA_RUNTIME,
+    NVTX,
+    CudaToCpu,
+    eager_compile,
+    parameters_keep_placement,
+)
 from moe_launcher.cpu_backend.fallback_warnings import fallback_warnings_from_rank_0_only
 from moe_launcher.cpu_backend.gloo_bridges import (
     all_gather_uneven,
@@ -43,7 +51,6 @@ from moe_launcher.cpu_backend.gloo_bridges import (
 )
 from moe_launcher.cpu_backend.strict_device import (
     STRICT_DEVICE_ENV,
-    StrictCudaToCpu,
     strict_collectives,
     strict_device,
 )
@@ -83,7 +90,8 @@ def activate() -> None:
     _refuse_cuda_extensions()
     meshes_on_cpu()
     _patch_megatron()
-    _MODE = StrictCudaToCpu() if strict else CudaToCpu()
+    parameters_keep_placement()
+    _MODE = CudaToCpu()
     _MODE.__enter__()
 
 
@@ -103,54 +111,20 @@ def _refuse_cuda_extensions() -> None:
     cpp_extension.load_inline = load_inline_without_cuda
 
 
-# megatron's RNG trackers warn when the CPU generator's state changed inside a fork of the CUDA
-# generator. Here the CUDA generator is the CPU one (see _patch_megatron), so every draw inside
-# a fork changes it: the warning is this backend's doing, hundreds of lines a run. Dropped at
-# these loggers, this one message only; said once (rank 0), the first time it is dropped.
-RNG_CONTEXT_WARNING = "CPU RNG state changed within GPU RNG context"
-RNG_CONTEXT_LOGGERS = ("megatron.core.tensor_parallel.random",
-                       "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
-                       "megatron_fsdp.utils")
-RNG_CONTEXT_NOTE = (f"[cpu_backend] megatron's warning '{RNG_CONTEXT_WARNING}' is silenced: on "
-                    "CPU the CUDA generator is the CPU generator, so every random draw inside "
-                    "megatron's RNG tracker changes the CPU state")
-
-
-class _RngContextWarningFilter(logging.Filter):
-    def __init__(self):
-        super().__init__()
-        self.said = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.getMessage() != RNG_CONTEXT_WARNING:
-            return True
-        if not self.said:
-            self.said = True
-            if os.environ.get("RANK", "0") == "0":
-                print(RNG_CONTEXT_NOTE, flush=True)
-        return False
-
-
-def _silence_rng_context_warning() -> None:
-    dropped = _RngContextWarningFilter()
-    for name in RNG_CONTEXT_LOGGERS:
-        logging.getLogger(name).addFilter(dropped)
-
-
 def _patch_megatron() -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import utils as fsdp_utils
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import token_dispatcher
 
     patch_megatron_fsdp()
 
-    # The model-parallel RNG tracker swaps "CUDA" generator states; the CPU generator is ours.
-    tp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.get_rng_state()
-    )
-    tp_random._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: (
-        torch.set_rng_state(state)
-    )
-    _silence_rng_context_warning()
+    # The RNG trackers swap the device generator's states through these two; megatron's own set
+    # goes through torch.cuda._lazy_call, which without CUDA queues the call and never runs it.
+    for rng_module in (tp_random, fsdp_utils):
+        rng_module._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+            CUDA_GENERATOR.get_state())
+        rng_module._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: (
+            CUDA_GENERATOR.set_state(state))
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
     if importlib.util.find_spec("megatron.training") is None:
         return  # megatron-core 0.15.x wheels ship no megatron.training (no pretrain())
@@ -159,22 +133,3 @@ def _patch_megatron() -> None:
     # pretrain() asserts CUDA unless initialize_megatron is told that no CUDA is fine.
     training.initialize_megatron = functools.partial(training.initialize_megatron,
                                                      allow_no_cuda=True)
-    training.set_jit_fusion_options = _warmup_off_the_cpu_generator(
-        training.set_jit_fusion_options)
-
-
-def _warmup_off_the_cpu_generator(set_jit_fusion_options):
-    """megatron's JIT warm-up (pretrain() calls it after seeding, before building the model)
-    draws `torch.rand(..., device="cuda")` tensors sized by --micro-batch-size and runs dropout
-    on them. On a GPU those draws move the CUDA generator only, and --use-cpu-initialization
-    then draws the weights from the CPU generator where the seed put it. Here the two are one
-    generator, so the warm-up would make the initial weights depend on --micro-batch-size: it
-    runs on a fork of the generator instead, so the CPU side is as on a GPU (the stand-in CUDA
-    generator is then not moved either, where a GPU's is)."""
-
-    @functools.wraps(set_jit_fusion_options)
-    def set_jit_fusion_options_on_a_fork(*args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            return set_jit_fusion_options(*args, **kwargs)
-
-    return set_jit_fusion_options_on_a_fork

@@ -397,11 +397,9 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     assert tracker.exists(), sorted(p.name for p in ckpt.glob("*"))
     assert tracker.read_text().strip() == "20"
-    # What the CPU backend causes is said once, not 640 times (its RNG stands in for CUDA's)
-    from moe_launcher.cpu_backend import RNG_CONTEXT_NOTE, RNG_CONTEXT_WARNING
-
-    assert RNG_CONTEXT_WARNING not in log.replace(RNG_CONTEXT_NOTE, ""), log[-4000:]
-    assert log.count(RNG_CONTEXT_NOTE) == 1, log[-4000:]
+    # megatron's RNG trackers see no CPU draw inside a fork of the device generator, as on a
+    # GPU: the CPU backend's device has a generator of its own
+    assert "CPU RNG state changed within GPU RNG context" not in log, log[-4000:]
     # and the throughput has digits that mean something on CPU, not megatron's 0.0
     throughputs = re.findall(r"throughput per GPU \(TFLOP/s/GPU\): ([0-9.]+) \|", out.stdout)
     assert len(throughputs) == 20, out.stdout[-4000:]

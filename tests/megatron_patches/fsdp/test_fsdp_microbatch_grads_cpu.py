@@ -23,9 +23,9 @@ one-micro-batch run reduces optim/no_shard gradients once after the backward pas
 default); the accumulating run reduces them in the backward hooks of the last micro-batch
 (--overlap-grad-reduce; optim_grads_params always reduces there, after every backward).
 
-* Same weights: megatron's JIT warm-up draws tensors sized by --micro-batch-size, which the
-  CPU backend keeps off the generator the CPU initialisation uses
-  (tests/moe_launcher/cpu_backend/test_warmup_rng_cpu.py).
+* Same weights: megatron's JIT warm-up draws tensors sized by --micro-batch-size from the
+  device's generator, which the CPU initialisation does not read, on the CPU backend as on a GPU
+  (tests/moe_launcher/cpu_backend/test_device_generator_cpu.py).
 * --moe-aux-loss-coeff 0: the load-balancing loss is computed per micro-batch from that
   micro-batch's routing statistics, so it is not additive over micro-batches and its gradient
   rightly differs between the two splits.
