@@ -72,7 +72,14 @@ def _next_batch(data_iterator):
 
 def _validate_loss(loss: torch.Tensor) -> None:
     """megatron's checks of this rank's loss, before the data-parallel reduction; the rerun
-    state machine reruns the step, and stops the job for a NaN or Inf that reproduces."""
+    state machine reruns the step, and stops the job for a NaN or Inf that reproduces.
+
+    The machine keeps the tensor it rejected and compares the rerun's with it, so it gets a
+    copy: megatron's schedule divides the returned loss in place by the token and micro-batch
+    counts (megatron-core 0.19.2 schedules.forward_step_calc_loss), and a kept original made
+    every spike look "not reproducible ... Possible transient error!" (a fault of the GPU), its
+    value over the rerun's by exactly tokens x micro-batches."""
+    loss = loss.detach().clone()
     args = get_args()
     rerun_state_machine = get_rerun_state_machine()
     if args.check_for_nan_in_loss_and_grad:

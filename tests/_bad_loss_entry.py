@@ -1,9 +1,10 @@
-"""pretrain_moe.py whose loss turns $BAD_LOSS (nan or inf) from the second iteration on
+"""pretrain_moe.py whose token losses get $BAD_LOSS added (nan, inf, or a number: a spike) from
+the second iteration on, or at iteration $BAD_LOSS_AT only (1-based) where that is set
 (test_loss_checks_cpu only).
 
 The project's forward step and loss function run unchanged; the loss function is handed the
-model's token losses plus a constant NaN or Inf, so the gradients stay finite and only a check
-of the loss itself can notice. (Megatron skips its checks on the first iteration.)
+model's token losses plus a constant, so the gradients stay those of the true loss and only a
+check of the loss itself can notice. (Megatron skips its checks on the first iteration.)
 """
 
 import os
@@ -29,11 +30,16 @@ forward_step = gpt_step.forward_step
 
 
 BAD_LOSS = float(os.environ["BAD_LOSS"])
+BAD_LOSS_AT = int(os.environ.get("BAD_LOSS_AT", "0"))
+
+
+def _bad(iteration: int) -> bool:  # megatron's curr_iteration counts from 0
+    return iteration + 1 == BAD_LOSS_AT if BAD_LOSS_AT else iteration >= 1
 
 
 def forward_step_with_bad_loss(data_iterator, model):
     output, loss_func = forward_step(data_iterator, model)
-    if get_args().curr_iteration < 1:
+    if not _bad(get_args().curr_iteration):
         return output, loss_func
     return output, lambda output_tensor: loss_func(output_tensor + BAD_LOSS)
 
