@@ -158,6 +158,25 @@ def test_saves_an_audited_checkpoint_and_resumes_where_it_stopped(layout, strate
             f"{before[iteration]!r}")
 
 
+
+def test_unpatched_tp2_resume_fails_on_every_rank(uninterrupted, tmp_path):
+    """fsdp-dtensor-rng-per-tp-rank left out: megatron's fsdp_dtensor load asks every TP rank
+    for the "(PP 0, TP 0)" RNG entry, which holds TP rank 0's expert streams only (the
+    expert-rng-per-ep-rank patch keys them by (EP, ETP) rank; ETP = TP here), so TP rank 1's
+    key is missing and the resume fails on every rank. Without both patches it loads, and
+    restores TP rank 0's streams on every TP rank: equal to their own on megatron-core 0.19.2,
+    whose Megatron-FSDP adapter gives every TP rank TP rank 0's RNG state when it wraps the
+    model (`sync_rng_states_across_tp_group`), so that half cannot be shown."""
+    layout = "tp2-sp-ep2-etp1"
+    full = uninterrupted(layout, "optim_grads_params")
+    failed = launch(4, [*fsdp_args(layout, "optim_grads_params"), "--load", str(full / "ckpt"),
+                        "--ckpt-step", str(SAVED_AT)],
+                    env={"MEGATRON_PATCHES_DISABLE": "fsdp-dtensor-rng-per-tp-rank"}, timeout=400)
+    assert failed.returncode != 0, failed.log[-3000:]
+    missing = re.findall(r"\[rank(\d)\]: RuntimeError: Missing key in checkpoint state_dict: "
+                         r"rng_state\.\(0, 0\)\.0\.expert_rng_states_by_ep_etp_rank", failed.log)
+    assert sorted(set(missing)) == ["0", "1", "2", "3"], failed.log[-3000:]
+
 def test_etp2_checkpoint_loads_into_etp1_on_another_dp_size(uninterrupted, tmp_path):
     source = uninterrupted("etp2-ep1", "optim_grads_params") / "ckpt"
     resaved = tmp_path / "etp1"
