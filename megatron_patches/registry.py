@@ -148,6 +148,7 @@ PATCH_MODULES = (
     "megatron_patches.moe.global_aux_loss_dp_scale",
     "megatron_patches.checkpointing.expert_rng_per_ep_rank",
     "megatron_patches.fsdp.fsdp_dtensor_rng_per_tp_rank",
+    "megatron_patches.fsdp.fsdp_tp_rng_streams",
     "megatron_patches.fsdp.fsdp_dtensor_fp32_swiglu_keys",
     "megatron_patches.moe.expert_load_metrics",
     "megatron_patches.accounting.layer_layout_validation",

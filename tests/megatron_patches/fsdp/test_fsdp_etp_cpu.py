@@ -163,10 +163,8 @@ def test_unpatched_tp2_resume_fails_on_every_rank(uninterrupted, tmp_path):
     """fsdp-dtensor-rng-per-tp-rank left out: megatron's fsdp_dtensor load asks every TP rank
     for the "(PP 0, TP 0)" RNG entry, which holds TP rank 0's expert streams only (the
     expert-rng-per-ep-rank patch keys them by (EP, ETP) rank; ETP = TP here), so TP rank 1's
-    key is missing and the resume fails on every rank. Without both patches it loads, and
-    restores TP rank 0's streams on every TP rank: equal to their own on megatron-core 0.19.2,
-    whose Megatron-FSDP adapter gives every TP rank TP rank 0's RNG state when it wraps the
-    model (`sync_rng_states_across_tp_group`), so that half cannot be shown."""
+    key is missing and the resume fails on every rank. Without both patches it loads and
+    restores TP rank 0's streams on every TP rank (test_fsdp_tp_rng_streams_cpu.py)."""
     layout = "tp2-sp-ep2-etp1"
     full = uninterrupted(layout, "optim_grads_params")
     failed = launch(4, [*fsdp_args(layout, "optim_grads_params"), "--load", str(full / "ckpt"),
