@@ -277,6 +277,39 @@ def check_checkpoint_format(args) -> None:
                              "pass --use-megatron-fsdp or use --ckpt-format torch_dist")
 
 
+# The rank order megatron-core 0.19.2's Megatron-FSDP adapter lays its dense device mesh out in
+# (mcore_fsdp_adapter._get_dp_tp_mesh): the whole world as data x expert x tensor parallel ranks,
+# with no pipeline axis.
+_FSDP_MESH_WITHOUT_PIPELINE = "(dp_cp ep tp) -> ep dp_cp tp"
+
+
+def _megatron_fsdp_mesh_has_no_pipeline_axis() -> bool:
+    """Read from the adapter megatron runs; another layout (a later megatron) is not judged."""
+    try:
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    except ImportError:
+        return False
+    mesh = getattr(mcore_fsdp_adapter, "_get_dp_tp_mesh", None)
+    return mesh is not None and _FSDP_MESH_WITHOUT_PIPELINE in mesh.__code__.co_consts
+
+
+@preflight_check("megatron-fsdp-pipeline-parallel")
+def check_megatron_fsdp_pipeline_parallel(args) -> None:
+    # With PP > 1 the world is PP times the data x expert x tensor ranks the adapter's mesh
+    # arranges, and every rank fails building it (an einops "Shape mismatch" traceback) after
+    # megatron has initialised and built the model.
+    if args.use_megatron_fsdp and args.pipeline_model_parallel_size > 1 \
+            and _megatron_fsdp_mesh_has_no_pipeline_axis():
+        raise PreflightError("--pipeline-model-parallel-size",
+                             f"--use-megatron-fsdp with --pipeline-model-parallel-size "
+                             f"{args.pipeline_model_parallel_size}: megatron-core's Megatron-FSDP "
+                             "lays its device mesh over data, expert and tensor parallel ranks "
+                             "only, and every rank fails building it; fix: use "
+                             "--pipeline-model-parallel-size 1 with --use-megatron-fsdp (more "
+                             "data parallelism), or drop --use-megatron-fsdp for pipeline "
+                             "parallelism")
+
+
 @preflight_check("save-interval")
 def check_save_interval(args) -> None:
     if args.save and args.save_interval is None:
@@ -538,7 +571,7 @@ def check_args(args, only: tuple[str, ...] | None = None) -> None:
 
 LAYOUT_CHECKS = ("model-parallel-fits-world", "expert-grid-fits-stage", "experts-split",
                  "tensor-and-context-split", "positive-sizes", "batch-split", "checkpoint-format",
-                 "pipeline-layer-layout")
+                 "pipeline-layer-layout", "megatron-fsdp-pipeline-parallel")
 
 
 def check_layout(args) -> Layout:

@@ -183,6 +183,15 @@ def test_dry_run_fails_naming_the_flag_for_a_world_size_it_cannot_use(recipe, mo
     assert "dry run FAILED" in err and flag in err and "fix" in err, err
 
 
+def test_dry_run_refuses_megatron_fsdp_with_pipeline_parallelism(monkeypatch):
+    """The planner runs the launcher's megatron-fsdp-pipeline-parallel check: an FSDP recipe
+    given PP 2 (megatron's last flag wins) fails naming the flag, as pretrain_moe.py would."""
+    rc, _, err = dry_run("mixtral_8x7b_fsdp", monkeypatch,
+                         extra=["--pipeline-model-parallel-size", "2"])
+    assert rc == 1
+    assert "dry run FAILED" in err and "--pipeline-model-parallel-size" in err and "fix" in err, err
+    assert "Megatron-FSDP lays its device mesh" in err, err
+
 @pytest.mark.parametrize("twin", sorted(TWINS))
 def test_fsdp_twin_takes_its_flags_from_its_recipe(twin):
     """A twin has its GPU recipe's flags, less the CPU-only drops; the recipe's layout values

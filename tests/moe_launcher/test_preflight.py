@@ -13,6 +13,7 @@ message is printed once.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -65,6 +66,12 @@ CASES = {
                           "--distributed-backend nccl asks for GPUs"),
     "megatron-fsdp-with-torch-dist": (1, ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
                                       "--ckpt-format"),
+    # megatron-core 0.19.2's Megatron-FSDP mesh has no pipeline axis (every rank fails at wrap).
+    "megatron-fsdp-with-pipeline-parallelism": (2, ["--use-megatron-fsdp",
+                                                    "--use-distributed-optimizer",
+                                                    "--ckpt-format", "fsdp_dtensor",
+                                                    "--pipeline-model-parallel-size", "2"],
+                                                "--pipeline-model-parallel-size"),
     "save-without-save-interval": (1, [], "--save-interval"),
     "router-top-k-zero": (1, ["--moe-router-topk", "0"], "--moe-router-topk"),
     "micro-batch-size-zero": (1, ["--micro-batch-size", "0"], "--micro-batch-size"),
@@ -124,6 +131,18 @@ def test_bad_flags_are_refused_before_megatron_starts(case, tmp_path, monkeypatc
     assert flag in line and "fix" in line.lower(), line
     assert os.listdir(tmp_path) == [], "something was written"
 
+
+
+@pytest.mark.slow
+def test_without_the_check_megatron_fsdp_fails_on_every_pipeline_rank():
+    """What megatron-fsdp-pipeline-parallel refuses, on megatron-core's own mesh function at
+    PP 2 (2 gloo ranks): every rank fails (the launcher's run got as far as wrapping the model,
+    then printed this error's traceback on every rank)."""
+    log = launch(2, [], script=REPO / "tests" / "_fsdp_pipeline_mesh_worker.py",
+                 timeout=300).check().log
+    # (the ranks' lines may run together in the merged log)
+    failed = re.findall(r"rank (\d) mesh failed: EinopsError: .*?Shape mismatch, 2 != 1", log)
+    assert sorted(failed) == ["0", "1"], log[-3000:]
 
 def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypatch):
     """What the hybrid-layer-pattern check refuses: megatron-core 0.19.2's validation alone
