@@ -11,7 +11,9 @@ with padding to capacity the router's map holds the padding, so drops are not re
 * Counting: after `TopKRouter.routing` returns its routing map, each router adds the map's
   per-expert sums to a device tensor of its own: no host sync, no collective, on the step's
   critical path. Like megatron's expert-bias counts, only passes with grad enabled count, so a
-  recomputed forward (activation checkpointing) counts once and evaluation does not count.
+  recomputed forward (activation checkpointing) counts once and evaluation does not count; a
+  step megatron's rerun state machine reruns in place (a rejected result, e.g. a spiky loss) is
+  counted once, by its first run.
 * Reporting: at every --log-interval iteration, after megatron's training_log, one sum over
   all ranks (collectives.reduce_numbers on the current device) of a [layers x (experts + 1)]
   table: every PP stage fills its own layers' rows, TP (sequence parallel) x DP x CP ranks
@@ -153,6 +155,7 @@ def report(iteration: int, args, writer, wandb_writer, print_line) -> None:
 
 
 def _apply() -> None:
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.training import training
 
@@ -163,7 +166,8 @@ def _apply() -> None:
     @functools.wraps(routing)
     def routing_and_counting(self, logits, *args, **kwargs):
         probs, routing_map = routing(self, logits, *args, **kwargs)
-        if self.training and torch.is_grad_enabled():
+        if self.training and torch.is_grad_enabled() \
+                and get_rerun_state_machine().state != RerunState.RERUNNING_IN_PLACE:
             _count(self, routing_map)
         return probs, routing_map
 

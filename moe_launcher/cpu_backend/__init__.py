@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
-import os
 import sys
 
 import torch
