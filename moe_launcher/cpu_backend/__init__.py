@@ -116,11 +116,10 @@ def _patch_megatron() -> None:
 
     patch_megatron_fsdp()
 
-    # The RNG trackers swap the device generator's states through these two; megatron's own set
-    # goes through torch.cuda._lazy_call, which without CUDA queues the call and never runs it.
+    # The RNG trackers set the device generator's state through this (they read it through
+    # torch.cuda.random.get_rng_state, replaced above); megatron's own goes through
+    # torch.cuda._lazy_call, which without CUDA queues the call and never runs it.
     for rng_module in (tp_random, fsdp_utils):
-        rng_module._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-            CUDA_GENERATOR.get_state())
         rng_module._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: (
             CUDA_GENERATOR.set_state(state))
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu

@@ -110,6 +110,11 @@ def _inputs_all_host(args, kwargs) -> bool:
     return seen
 
 
+def _on_host(placement: str | None, args, kwargs) -> bool:
+    """Whether a call's result is a host tensor on a GPU (`placement`: what it asks for)."""
+    return placement == "host" or (placement is None and _inputs_all_host(args, kwargs))
+
+
 def _placement(device) -> str:
     """'cuda' or 'unknown'. A device named "cpu" is not known to mean the host: under this
     backend a device tensor's `.device` is torch.device('cpu') too, and megatron writes
@@ -202,18 +207,19 @@ class CudaToCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to:  # .to("cuda") / .to(0): the device is positional
             args = tuple("cpu" if is_cuda_device(a) else a for a in args)
-        on_host = placement == "host" or (placement is None and _inputs_all_host(args, kwargs))
-        if func in RANDOM_OPS and kwargs.get("generator") is None and not on_host:
+        if func in RANDOM_OPS and kwargs.get("generator") is None \
+                and not _on_host(placement, args, kwargs):
             with _drawing_from(CUDA_GENERATOR):
                 result = func(*args, **kwargs)
         else:
             result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) or (
+        if not isinstance(result, torch.Tensor) and not (
                 type(result) in (tuple, list) and result and isinstance(result[0], torch.Tensor)):
-            if on_host:
-                _mark_host(result)
-            elif placement == "cuda" and func is torch.Tensor.to:
-                _forget_host(result)  # .to("cuda") of a tensor already "there" returns the tensor
+            return result  # sizes, dtypes, numbers: the common case, kept cheap
+        if _on_host(placement, args, kwargs):
+            _mark_host(result)
+        elif placement == "cuda" and func is torch.Tensor.to:
+            _forget_host(result)  # .to("cuda") of a tensor already "there" returns the tensor
         return result
 
 
