@@ -90,6 +90,10 @@ def main() -> None:
                                       if d is not None)}
     if rank == 0:
         print("census " + json.dumps(report), flush=True)
+    # The counts run no collective: without a barrier rank 0 could tear its gloo pairs down
+    # while rank 1 is still connecting the mesh's group, which aborts rank 1 (seen once in CI:
+    # "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

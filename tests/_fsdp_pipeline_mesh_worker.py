@@ -26,4 +26,5 @@ try:
 except Exception as error:  # noqa: BLE001 - the failure is what is reported
     first = " ".join(str(error).split())
     print(f"rank {dist.get_rank()} mesh failed: {type(error).__name__}: {first}", flush=True)
+dist.barrier()  # no rank tears its gloo pairs down while the other still uses them
 dist.destroy_process_group()
