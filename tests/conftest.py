@@ -1,4 +1,6 @@
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +40,24 @@ def _environment_kept_per_module():
 def _environment_kept_per_test():
     with environment_kept():
         yield
+
+
+@pytest.fixture(scope="session")
+def node_shim(tmp_path_factory) -> Path:
+    """tests/native/other_node_shim.c, built: LD_PRELOAD it (with NODE_SHIM_HOSTNAME) for a
+    process that sees itself on another node. Without a C compiler the test is skipped, or
+    fails under CI=true (.ci/run installs one)."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        missing = "no C compiler for tests/native/other_node_shim.c"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{missing} (CI installs it)")
+        pytest.skip(missing)
+    library = tmp_path_factory.mktemp("shim") / "other_node_shim.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(library),
+                    str(Path(__file__).parent / "native" / "other_node_shim.c"), "-ldl"],
+                   check=True)
+    return library
 
 
 def pytest_terminal_summary(terminalreporter):

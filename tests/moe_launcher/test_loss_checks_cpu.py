@@ -3,11 +3,15 @@ through megatron's rerun state machine (--check-for-nan-in-loss-and-grad is on b
 The spiky-loss check (--check-for-spiky-loss) goes through the same call and judges a loss only
 after megatron has seen 100 of them (rerun_state_machine.is_unexpectedly_large, one per
 micro-batch from the second iteration on); a spike is not fatal: megatron reruns the step, finds
-it reproducible and trains on (its validate_result with fatal=False)."""
+it reproducible and trains on (its validate_result with fatal=False). A batch whose loss is NaN
+wherever it runs goes through megatron's whole recovery, over three jobs, to the job that skips
+it."""
 
 import re
 
 import pytest
+from megatron.core.rerun_state_machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
 
 from _launch import REPO, TINY_MODEL, launch, tensorboard_scalars
 
@@ -41,9 +45,8 @@ def test_a_spiky_loss_is_flagged_and_rerun_and_training_goes_on(checked, tmp_pat
                          run.log)
     reproduced = "First rerun: unexpected result is reproducible within the tolerance" in run.log
     if checked:
-        # megatron 0.19.2's message names the iteration after the one it judged (its rerun state
-        # machine has already counted the running iteration and prints that count + 1)
-        assert flagged and set(flagged) == {str(SPIKE_AT + 1)}, run.log[-4000:]
+        # the iteration judged, as megatron logs it (rerun-iteration-number)
+        assert flagged and set(flagged) == {str(SPIKE_AT)}, run.log[-4000:]
         assert reproduced, run.log[-4000:]
     else:
         assert not flagged and not reproduced, run.log[-4000:]
@@ -89,3 +92,86 @@ def test_a_rerun_step_trains_and_logs_as_the_step_itself(tmp_path):
                                                          rel=1e-2)
     load = "expert_load/tokens_mean/layer_1"  # 8 sequences x 64 tokens x top-2 over 8 experts
     assert patched[load][SPIKE_AT] == unpatched[load][SPIKE_AT] == reference[load][SPIKE_AT] == 128
+
+
+
+# megatron's recovery from a batch that fails wherever it runs, with the default --rerun-mode
+# validate_results: job 1 finds the NaN, reruns the step in place, saves a checkpoint to rerun
+# it from and exits 16; job 2, on another node, reruns it and exits 17 ("Correct result (but
+# possible Application error)"); each failure is a line of --result-rejected-tracker-filename,
+# and job 3 skips an iteration that a rank failed twice (--iterations-to-skip: 1-indexed, the
+# numbers megatron logs) and trains on from the same checkpoint.
+NAN_AT, NAN_ITERS = 3, 4
+
+
+def _nan_job(tmp_path, name: str, save: str, elsewhere: dict | None = None,
+             disabled: str | None = None):
+    env = {"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(elsewhere or {}),
+           **({"MEGATRON_PATCHES_DISABLE": disabled} if disabled else {})}
+    return launch(1, [*TINY_MODEL, "--train-iters", str(NAN_ITERS),
+                      "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / save),
+                      "--save-interval", "100", "--tensorboard-dir", str(tmp_path / name),
+                      "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt")],
+                  script=REPO / "tests" / "_bad_loss_entry.py", env=env)
+
+
+def _failures_found(tmp_path, node_shim, disabled: str | None = None) -> list[str]:
+    """Jobs 1 and 2, job 2 on another node (tests/native/other_node_shim.c: megatron reads the
+    node's name from uname); the tracker file's lines."""
+    first = _nan_job(tmp_path, "first", "ckpt", disabled=disabled)
+    assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
+    assert "First rerun: unexpected result is reproducible" in first.log, first.log[-3000:]
+    second = _nan_job(tmp_path, "second", "ckpt", disabled=disabled,
+                      elsewhere={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
+    assert second.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, second.log[-3000:]
+    assert "Second rerun: unexpected result is reproducible on a different GPU" in second.log
+    return (tmp_path / "rejected.txt").read_text().splitlines()
+
+
+def _iterations_named(lines: list[str]) -> dict[str, int]:
+    """Each tracker line's status -> the iteration it names (one line per status)."""
+    named = {re.search(r" status=RerunValidationStatus\.(\w+) ", line).group(1):
+             int(re.search(r" iteration=(\d+) ", line).group(1)) for line in lines}
+    assert len(named) == len(lines), lines
+    return named
+
+
+@pytest.mark.slow
+def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node_shim):
+    """rerun-iteration-number and skipped-iteration-ends-rerun. Every tracker line names
+    iteration 3, job 3 skips it and trains iteration 4 from the checkpoint. With
+    skipped-iteration-ends-rerun left out (megatron-core 0.19.2), job 3 skips iteration 3 as
+    asked, but megatron's skipped step leaves the checkpoint's rerun state machine rerunning,
+    and the next step runs no forward or backward and exits 17: the job never trains on."""
+    lines = _failures_found(tmp_path, node_shim)
+    assert _iterations_named(lines) == {"INITIAL_RUN": NAN_AT, "FIRST_RERUN_REPRODUCIBLE": NAN_AT,
+                                        "SECOND_RERUN_REPRODUCIBLE": NAN_AT}, lines
+    third = _nan_job(tmp_path, "third", "ckpt-third")
+    assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in third.log
+    assert third.returncode == 0, third.log[-3000:]
+    assert f"skipped-iteration-ends-rerun: iteration {NAN_AT}," in third.log, third.log[-3000:]
+    assert sorted(tensorboard_scalars(tmp_path / "third", "lm loss")) == [NAN_ITERS]
+    stuck = _nan_job(tmp_path, "stuck", "ckpt-stuck", disabled="skipped-iteration-ends-rerun")
+    assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in stuck.log
+    assert stuck.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, stuck.log[-3000:]
+    assert "A checkpoint at the last iteration already exists" in stuck.log, stuck.log[-3000:]
+    assert not tensorboard_scalars(tmp_path / "stuck", "lm loss")
+
+
+@pytest.mark.slow
+def test_unpatched_the_tracker_names_the_next_iteration_and_nothing_is_skipped(tmp_path,
+                                                                                node_shim):
+    """rerun-iteration-number left out (megatron-core 0.19.2): during the step it logs as
+    iteration 3 megatron's rerun state machine counts 4 (train() starts it at the iterations
+    done, and it counts each step on top), so job 1's lines name iteration 4; job 2's rerun from
+    the checkpoint is not counted and names 3. No iteration is named twice, job 3 skips nothing
+    and runs megatron's rerun again, on the node that found the NaN: it exits 16, as every
+    restart after it would."""
+    lines = _failures_found(tmp_path, node_shim, disabled="rerun-iteration-number")
+    assert _iterations_named(lines) == {"INITIAL_RUN": NAN_AT + 1,
+                                        "FIRST_RERUN_REPRODUCIBLE": NAN_AT + 1,
+                                        "SECOND_RERUN_REPRODUCIBLE": NAN_AT}, lines
+    third = _nan_job(tmp_path, "third", "ckpt-third", disabled="rerun-iteration-number")
+    assert "Will skip these iterations from tracker file: []" in third.log, third.log[-3000:]
+    assert third.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, third.log[-3000:]
+    assert "Got rescheduled on the same GPU" in third.log, third.log[-3000:]

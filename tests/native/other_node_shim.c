@@ -1,6 +1,7 @@
 /* LD_PRELOAD shim: a process as if on another node of a cluster sharing one filesystem, at the
  * system-call boundary (no privileges needed).
- *   NODE_SHIM_HOSTNAME=<name>  gethostname() answers <name>
+ *   NODE_SHIM_HOSTNAME=<name>  gethostname() answers <name>, and uname() too (its nodename:
+ *                              Python's os.uname(), which megatron's rerun state machine reads)
  *   LOCK_SHIM=enolck           every record-lock call fails with ENOLCK (NFS mounted nolock, a
  *                              lock manager gone)
  *   LOCK_SHIM=grant            every record-lock call succeeds without locking (locks each node
@@ -14,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 static int is_record_lock(int cmd) {
@@ -71,4 +73,15 @@ int gethostname(char *name, size_t len) {
     }
     memcpy(name, host, n + 1);
     return 0;
+}
+
+int uname(struct utsname *buf) {
+    int (*real)(struct utsname *) = dlsym(RTLD_NEXT, "uname");
+    int result = real(buf);
+    const char *host = getenv("NODE_SHIM_HOSTNAME");
+    if (result == 0 && host) {
+        strncpy(buf->nodename, host, sizeof(buf->nodename) - 1);
+        buf->nodename[sizeof(buf->nodename) - 1] = '\0';
+    }
+    return result;
 }

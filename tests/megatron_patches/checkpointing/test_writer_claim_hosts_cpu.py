@@ -11,11 +11,8 @@ job's staged iteration (`_partial_<claim>_iter_*`): the first job then died at i
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -33,23 +30,6 @@ ARGS = [*TINY_MODEL, "--use-distributed-optimizer", "--ckpt-format", "torch_dist
         "--save-interval", "2"]
 OTHER_HOST = "other-node"
 TRAINED = re.compile(r"iteration\s+\d+/\s*\d+ \|")
-
-
-def _missing(what: str) -> None:
-    if os.environ.get("CI") == "true":  # .ci/run installs what these tests need
-        pytest.fail(f"{what} (CI installs it)")
-    pytest.skip(what)
-
-
-@pytest.fixture(scope="module")
-def node_shim(tmp_path_factory) -> Path:
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        _missing("no C compiler for tests/native/other_node_shim.c")
-    library = tmp_path_factory.mktemp("shim") / "other_node_shim.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(library),
-                    str(REPO / "tests" / "native" / "other_node_shim.c"), "-ldl"], check=True)
-    return library
 
 
 @pytest.mark.parametrize("locks", ["enolck", "grant"])
