@@ -10,11 +10,12 @@ The machine's `current_iteration` is 0-indexed (its own comment) and every messa
 line adds 1. `train()` sets it to `args.iteration`, the number of iterations done, and the
 machine then counts each step as it starts, so during the step megatron logs as iteration N it
 holds N and prints N + 1: "Unexpected result nan ... at iteration #N+1", and the line written to
-`--result-rejected-tracker-filename` says `iteration=N+1`. That file is how megatron skips a batch
-that fails twice: on the next start its entries become `--iterations-to-skip`, which training
-reads as 1-indexed iterations (its logged numbers). So the job skips the good iteration after the
-bad one, and the bad batch fails again, on every restart. (A step resumed for megatron's
-rerun from a checkpoint is not counted again, and is already numbered right.)
+`--result-rejected-tracker-filename` says `iteration=N+1`. That file is how megatron gets past a
+batch that fails twice on a rank: at the next start such an iteration joins megatron's
+`iterations_to_skip` (1-indexed: the logged numbers). With reruns disabled the job skips the good
+iteration after the bad one; with the default --rerun-mode validate_results the rerun from the
+checkpoint (not counted again) names N, the first run N + 1, so nothing is named twice and
+nothing is skipped. Either way the bad batch fails again, at every restart.
 
 The fix, at megatron's call site: `train_step` is given the 0-indexed iteration it runs; the
 machine is set to the count that its own increment turns into that index (or to the index,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 
@@ -66,9 +68,15 @@ def _not_needed_because(context: PatchContext) -> str | None:
     source = inspect.getsource(training.train)
     if "rerun_state_machine.current_iteration = iteration\n" not in source:
         return "megatron's train() no longer sets the rerun state machine to the iterations done"
-    machine = RerunStateMachine()
-    machine.current_iteration = 0  # train(): args.iteration of a fresh start
-    machine.should_run_forward_backward(None)
+    quiet = logging.getLogger("megatron.core.rerun_state_machine")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its "initialized in mode DISABLED" is about this probe only
+    try:
+        machine = RerunStateMachine()
+        machine.current_iteration = 0  # train(): args.iteration of a fresh start
+        machine.should_run_forward_backward(None)
+    finally:
+        quiet.setLevel(level)
     if machine.current_iteration == 0:
         return "megatron's rerun state machine numbers the first step 0 (printed as 1)"
     return None

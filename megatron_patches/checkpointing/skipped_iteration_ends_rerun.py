@@ -11,8 +11,8 @@ validate_results), megatron saves a checkpoint holding its rerun state machine i
 WILL_RERUN_FROM_CHECKPOINT and exits: the next job reruns the iteration from it on another GPU
 and, if the result reproduces there too, exits again ("Correct result (but possible Application
 error)"). Every later job resumes from that same checkpoint, so from the same machine state. With
---result-rejected-tracker-filename the iteration is then in --iterations-to-skip, and megatron
-skips it with `dummy_train_step`, whose `should_run_forward_backward` loop moves the machine to
+--result-rejected-tracker-filename the iteration is then in megatron's iterations_to_skip, and
+megatron skips it with `dummy_train_step`, whose `should_run_forward_backward` loop moves the machine to
 RERUNNING_FROM_CHECKPOINT and leaves it there (nothing was judged, so nothing asks to continue).
 The next iteration's `train_step` then runs no forward or backward at all and exits with code 17
 ("Exiting now. A checkpoint at the last iteration already exists"): the skip meant to get past
@@ -46,7 +46,7 @@ def _ending_the_rerun(dummy_train_step):
             if collectives.rank() == 0:
                 print(f"[megatron_patches] {NAME}: iteration {machine.current_iteration + 1}, "
                       "which the checkpoint was saved to rerun, is skipped "
-                      "(--iterations-to-skip): no rerun left, training goes on", flush=True)
+                      "(iterations_to_skip): no rerun left, training goes on", flush=True)
         return result
 
     dummy_train_step_ending_rerun.__wrapped_by__ = NAME
@@ -78,7 +78,7 @@ PATCH = register(Patch(
              "state machine rerunning from the checkpoint; the next step exits)",
     versions=">=0.19,<0.20",
     summary="a job resumed from the checkpoint megatron saved to rerun a failed iteration trains "
-            "on when that iteration is in --iterations-to-skip",
+            "on when that iteration is skipped (iterations_to_skip)",
     not_needed_because=_not_needed_because,
     apply=_apply,
 ))

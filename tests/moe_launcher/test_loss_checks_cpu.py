@@ -99,8 +99,8 @@ def test_a_rerun_step_trains_and_logs_as_the_step_itself(tmp_path):
 # validate_results: job 1 finds the NaN, reruns the step in place, saves a checkpoint to rerun
 # it from and exits 16; job 2, on another node, reruns it and exits 17 ("Correct result (but
 # possible Application error)"); each failure is a line of --result-rejected-tracker-filename,
-# and job 3 skips an iteration that a rank failed twice (--iterations-to-skip: 1-indexed, the
-# numbers megatron logs) and trains on from the same checkpoint.
+# and job 3 skips an iteration that a rank failed twice (megatron's iterations_to_skip:
+# 1-indexed, the numbers megatron logs) and trains on from the same checkpoint.
 NAN_AT, NAN_ITERS = 3, 4
 
 
