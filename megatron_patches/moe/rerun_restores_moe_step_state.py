@@ -8,17 +8,18 @@ Upstream: none found; megatron-core 0.19.2 `megatron/training/training.py` (`tra
 When a result check rejects a step (--check-for-spiky-loss; a NaN/Inf loss), megatron reruns the
 step in place: it restores the RNG, rewinds the data, zeroes the gradients and runs the
 micro-batches again; the rerun's gradients are the ones the optimizer steps with. But the first
-run's `finalize_model_grads` has already updated every router's expert bias
-(--moe-router-enable-expert-bias) from that run's token counts, so the rerun routes with another
-bias (its loss may then differ and be called "not reproducible") and its own finalize updates the
-bias a second time: the step moves the bias twice. And megatron's MoE metrics tracker keeps both
-runs' values, so the rerun iteration logs twice its load-balancing losses. Nothing is said.
+run's `finalize_model_grads` has already updated every router's per-expert bias from that run's
+routing (`expert_bias`, --moe-router-enable-expert-bias; `qb_beta`,
+--moe-router-load-balancing-type quantile_balancing), so the rerun routes with another bias (its
+loss may then differ and be called "not reproducible") and its own finalize updates the bias a
+second time: the step moves the bias twice. And megatron's MoE metrics tracker keeps both runs'
+values, so the rerun iteration logs twice its load-balancing losses. Nothing is said.
 
-The fix, at megatron's call sites: `train_step` notes the model and each router's expert bias as
-the step begins (one small copy per MoE layer); when `RerunStateMachine.should_run_forward_backward`
+The fix, at megatron's call sites: `train_step` notes the model and each router's biases as the
+step begins (one small copy per MoE layer); when `RerunStateMachine.should_run_forward_backward`
 starts an in-place rerun, the biases are put back and the MoE tracker is cleared (`clear()`, as
 megatron does after logging), so the rerun runs, and updates, as the step itself. (A step rerun
-after a checkpoint resume starts in a new process from the checkpoint's bias.)
+after a checkpoint resume starts in a new process from the checkpoint's biases.)
 """
 
 from __future__ import annotations
@@ -32,23 +33,26 @@ import torch
 from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 
 NAME = "rerun-restores-moe-step-state"
+# The router buffers megatron's finalize_model_grads updates once per step (0.19.2).
+STEP_BIASES = ("expert_bias", "qb_beta")
 
 
 @dataclasses.dataclass
 class RunningStep:
-    """The train_step running: each router's expert bias as the step began (empty between steps
-    and without expert bias); the routers with a bias, found once per model."""
+    """The train_step running: each router bias as the step began (empty between steps and
+    without such biases); the biases, found once per model."""
 
-    biases: list = dataclasses.field(default_factory=list)  # (router, bias at step start)
+    biases: list = dataclasses.field(default_factory=list)  # (bias, its value at step start)
     model: list | None = None
-    routers: list = dataclasses.field(default_factory=list)
+    found: list = dataclasses.field(default_factory=list)
 
-    def routers_of(self, model: list) -> list:
+    def biases_of(self, model: list) -> list:
         if model is not self.model:
             self.model = model
-            self.routers = [module for chunk in model for module in chunk.modules()
-                            if getattr(module, "expert_bias", None) is not None]
-        return self.routers
+            self.found = [bias for chunk in model for module in chunk.modules()
+                          for bias in (getattr(module, name, None) for name in STEP_BIASES)
+                          if bias is not None]
+        return self.found
 
 
 def _tracking_the_step(train_step, step: RunningStep):
@@ -57,8 +61,7 @@ def _tracking_the_step(train_step, step: RunningStep):
     @functools.wraps(train_step)
     def train_step_tracked(*args, **kwargs):
         model = signature.bind(*args, **kwargs).arguments["model"]
-        step.biases = [(router, router.expert_bias.detach().clone())
-                       for router in step.routers_of(model)]
+        step.biases = [(bias, bias.detach().clone()) for bias in step.biases_of(model)]
         try:
             return train_step(*args, **kwargs)
         finally:
@@ -77,8 +80,8 @@ def _restarting_the_step(should_run, step: RunningStep):
         run = should_run(self, *args, **kwargs)
         if run and self.state == RerunState.RERUNNING_IN_PLACE:
             with torch.no_grad():
-                for router, bias in step.biases:
-                    router.expert_bias.copy_(bias)
+                for bias, at_start in step.biases:
+                    bias.copy_(at_start)
             get_moe_metrics_tracker().clear()
         return run
 
@@ -99,11 +102,11 @@ def _apply(step: RunningStep) -> None:
 
 def _not_needed_because(context: PatchContext) -> str | None:
     """Reads whether megatron's rerun puts the step's MoE state back itself: its in-place
-    restore would have to reach the expert bias or the MoE metrics tracker."""
+    restore would have to reach every router bias and the MoE metrics tracker."""
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     restore = inspect.getsource(RerunStateMachine._restore_state)
-    if "expert_bias" in restore or "moe_metrics" in restore:
+    if all(name in restore for name in (*STEP_BIASES, "moe_metrics")):
         return "megatron's rerun state machine restarts the step's MoE state itself"
     return None
 
@@ -113,8 +116,8 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 rerun_state_machine (an in-place rerun keeps the first run's "
              "expert-bias update and MoE metrics)",
     versions=">=0.19,<0.20",
-    summary="a step megatron's rerun state machine reruns in place starts from the expert bias "
-            "it began with and logs its MoE metrics once",
+    summary="a step megatron's rerun state machine reruns in place starts from the router "
+            "biases it began with and logs its MoE metrics once",
     not_needed_because=_not_needed_because,
     apply=functools.partial(_apply, RunningStep()),
 ))

@@ -56,13 +56,19 @@ def test_a_spiky_loss_is_flagged_and_rerun_and_training_goes_on(checked, tmp_pat
 
 
 
-def _spiked_run(tmp_path, name: str, spike: str, env: dict | None = None) -> dict:
-    """TINY_MODEL with expert bias and the spiky-loss check; `spike` added to every token loss
-    at SPIKE_AT ("0": no spike, no rerun). Returns the tensorboard scalars by tag."""
+EXPERT_BIAS = ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+# megatron-core 0.19's quantile balancing: routing by a per-expert bias, no aux loss
+QUANTILE_BALANCING = ["--moe-router-load-balancing-type", "quantile_balancing",
+                      "--moe-aux-loss-coeff", "0"]
+
+
+def _spiked_run(tmp_path, name: str, spike: str, router: list[str],
+                env: dict | None = None) -> dict:
+    """TINY_MODEL with the `router` flags and the spiky-loss check; `spike` added to every token
+    loss at SPIKE_AT ("0": no spike, no rerun). Returns the tensorboard scalars by tag."""
     board = tmp_path / name
     flags = [*TINY_MODEL, "--train-iters", str(SPIKE_ITERS), "--tensorboard-dir", str(board),
-             "--check-for-spiky-loss", "--moe-router-enable-expert-bias",
-             "--moe-router-score-function", "sigmoid"]
+             "--check-for-spiky-loss", *router]
     launch(1, flags, script=REPO / "tests" / "_bad_loss_entry.py",
            env={"BAD_LOSS": spike, "BAD_LOSS_AT": str(SPIKE_AT), **(env or {})}).check()
     return {tag: tensorboard_scalars(board, tag) for tag in
@@ -70,29 +76,33 @@ def _spiked_run(tmp_path, name: str, spike: str, env: dict | None = None) -> dic
 
 
 @pytest.mark.slow
-def test_a_rerun_step_trains_and_logs_as_the_step_itself(tmp_path):
+@pytest.mark.parametrize("router", [EXPERT_BIAS, QUANTILE_BALANCING],
+                         ids=["expert-bias", "quantile-balancing"])
+def test_a_rerun_step_trains_and_logs_as_the_step_itself(router, tmp_path):
     """rerun-restores-moe-step-state (and expert-load-metrics counting a step once). The
     reference is the same run without the spike, where megatron reruns nothing: the spike adds a
     constant to every token loss, so the step's gradients are the true loss's. Patched, after
     megatron's in-place rerun of iteration 28 the run trains on exactly as the reference, and
     iteration 28 logs the reference's load-balancing loss and expert load. Unpatched, the first
-    run's finalize has already moved the expert bias, so the rerun routes with another bias and
-    the step moves it twice (iterations 29-30 differ), and megatron's MoE tracker logs both runs'
-    load-balancing loss."""
-    reference = _spiked_run(tmp_path, "reference", "0")
-    patched = _spiked_run(tmp_path, "patched", "100")
-    unpatched = _spiked_run(tmp_path, "unpatched", "100",
+    run's finalize has already moved the router's bias (expert bias; quantile balancing's
+    qb_beta), so the rerun routes with another bias and the step moves it twice (iterations 29-30
+    differ), and megatron's MoE tracker logs both runs' load-balancing loss."""
+    reference = _spiked_run(tmp_path, "reference", "0", router)
+    patched = _spiked_run(tmp_path, "patched", "100", router)
+    unpatched = _spiked_run(tmp_path, "unpatched", "100", router,
                             env={"MEGATRON_PATCHES_DISABLE": "rerun-restores-moe-step-state"})
     after = range(SPIKE_AT + 1, SPIKE_ITERS + 1)
     assert all(patched["lm loss"][i] == reference["lm loss"][i] for i in after)
     assert all(unpatched["lm loss"][i] != reference["lm loss"][i] for i in after)
+    load = "expert_load/tokens_mean/layer_1"  # 8 sequences x 64 tokens x top-2 over 8 experts
+    assert patched[load][SPIKE_AT] == unpatched[load][SPIKE_AT] == reference[load][SPIKE_AT] == 128
     balance = "load_balancing_loss"
+    if router is QUANTILE_BALANCING:
+        assert not reference[balance]  # no aux loss to log
+        return
     assert patched[balance][SPIKE_AT] == reference[balance][SPIKE_AT] > 0
     assert unpatched[balance][SPIKE_AT] == pytest.approx(2 * reference[balance][SPIKE_AT],
                                                          rel=1e-2)
-    load = "expert_load/tokens_mean/layer_1"  # 8 sequences x 64 tokens x top-2 over 8 experts
-    assert patched[load][SPIKE_AT] == unpatched[load][SPIKE_AT] == reference[load][SPIKE_AT] == 128
-
 
 
 # megatron's recovery from a batch that fails wherever it runs, with the default --rerun-mode
