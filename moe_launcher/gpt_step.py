@@ -6,6 +6,7 @@ context-parallel rank its slice of the sequence, and runs megatron's NaN / Inf /
 checks on the loss through the rerun state machine.
 """
 
+import contextlib
 from functools import partial
 
 import torch
@@ -70,6 +71,25 @@ def _next_batch(data_iterator):
                                      cp_group=parallel_state.get_context_parallel_group())
 
 
+@contextlib.contextmanager
+def _tracker_written_by_tp_rank_0(rerun_state_machine):
+    """Every tensor-parallel rank computes the same loss (vocab-parallel cross-entropy), so one
+    failure of it would be a --result-rejected-tracker-filename line from each: megatron reads
+    an iteration that several ranks of one job failed as a fault of the job, not of its data,
+    and never skips it ("Will not skip these iterations due to multiple rank errors"), so at
+    TP > 1 a batch that fails everywhere failed every restart. The ranks past TP rank 0 still
+    check the loss (each reruns, stops, says so) but write no line."""
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        yield
+        return
+    tracker = rerun_state_machine.result_rejected_tracker_filename
+    rerun_state_machine.result_rejected_tracker_filename = None
+    try:
+        yield
+    finally:
+        rerun_state_machine.result_rejected_tracker_filename = tracker
+
+
 def _validate_loss(loss: torch.Tensor) -> None:
     """megatron's checks of this rank's loss, before the data-parallel reduction; the rerun
     state machine reruns the step, and stops the job for a NaN or Inf that reproduces.
@@ -82,19 +102,20 @@ def _validate_loss(loss: torch.Tensor) -> None:
     loss = loss.detach().clone()
     args = get_args()
     rerun_state_machine = get_rerun_state_machine()
-    if args.check_for_nan_in_loss_and_grad:
-        for rejection_func, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+    with _tracker_written_by_tp_rank_0(rerun_state_machine):
+        if args.check_for_nan_in_loss_and_grad:
+            for rejection_func, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                rerun_state_machine.validate_result(
+                    result=loss, rejection_func=rejection_func,
+                    message=f"found {name} in local forward loss calculation",
+                    tolerance=0.0,  # the forward pass is deterministic
+                    fatal=True)
+        if args.check_for_spiky_loss:
             rerun_state_machine.validate_result(
-                result=loss, rejection_func=rejection_func,
-                message=f"found {name} in local forward loss calculation",
-                tolerance=0.0,  # the forward pass is deterministic
-                fatal=True)
-    if args.check_for_spiky_loss:
-        rerun_state_machine.validate_result(
-            result=loss,
-            rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
-                                   threshold=SPIKY_LOSS_FACTOR, context="loss"),
-            message="Spiky loss", tolerance=0.0, fatal=False)
+                result=loss,
+                rejection_func=partial(rerun_state_machine.is_unexpectedly_large,
+                                       threshold=SPIKY_LOSS_FACTOR, context="loss"),
+                message="Spiky loss", tolerance=0.0, fatal=False)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -1,12 +1,15 @@
 """pretrain_moe.py whose token losses get $BAD_LOSS added (nan, inf, or a number: a spike) from
 the second iteration on, or at iteration $BAD_LOSS_AT only (1-based) where that is set
-(test_loss_checks_cpu only).
+(test_loss_checks_cpu only). With $TRACKER_LINE_PER_RANK=1 every tensor-parallel rank writes its
+--result-rejected-tracker-filename line, as megatron's own GPT step has them do (the forward
+step's one line per TP group left out).
 
 The project's forward step and loss function run unchanged; the loss function is handed the
 model's token losses plus a constant, so the gradients stay those of the true loss and only a
 check of the loss itself can notice. (Megatron skips its checks on the first iteration.)
 """
 
+import contextlib
 import os
 
 import runpy
@@ -27,6 +30,8 @@ from megatron.training import get_args  # noqa: E402
 from moe_launcher import gpt_step  # noqa: E402
 
 forward_step = gpt_step.forward_step
+if os.environ.get("TRACKER_LINE_PER_RANK") == "1":
+    gpt_step._tracker_written_by_tp_rank_0 = lambda machine: contextlib.nullcontext()
 
 
 BAD_LOSS = float(os.environ["BAD_LOSS"])

@@ -11,7 +11,7 @@ import re
 
 import pytest
 from megatron.core.rerun_state_machine import (
-    EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE, RerunStateMachine)
 
 from _launch import REPO, TINY_MODEL, launch, tensorboard_scalars
 
@@ -109,53 +109,61 @@ def test_a_rerun_step_trains_and_logs_as_the_step_itself(router, tmp_path):
 # validate_results: job 1 finds the NaN, reruns the step in place, saves a checkpoint to rerun
 # it from and exits 16; job 2, on another node, reruns it and exits 17 ("Correct result (but
 # possible Application error)"); each failure is a line of --result-rejected-tracker-filename,
-# and job 3 skips an iteration that a rank failed twice (megatron's iterations_to_skip:
-# 1-indexed, the numbers megatron logs) and trains on from the same checkpoint.
+# and job 3 skips an iteration that one rank failed twice (megatron's iterations_to_skip:
+# 1-indexed, the numbers megatron logs; an iteration several ranks of one job failed is not
+# skipped) and trains on from the same checkpoint. Run at TP2, whose two ranks compute the same
+# loss.
 NAN_AT, NAN_ITERS = 3, 4
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _nan_job(tmp_path, name: str, save: str, elsewhere: dict | None = None,
-             disabled: str | None = None):
-    env = {"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(elsewhere or {}),
+             disabled: str | None = None, env: dict | None = None):
+    env = {"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(elsewhere or {}), **(env or {}),
            **({"MEGATRON_PATCHES_DISABLE": disabled} if disabled else {})}
-    return launch(1, [*TINY_MODEL, "--train-iters", str(NAN_ITERS),
+    return launch(2, [*TINY_MODEL, *TP2, "--train-iters", str(NAN_ITERS),
                       "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / save),
                       "--save-interval", "100", "--tensorboard-dir", str(tmp_path / name),
                       "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt")],
                   script=REPO / "tests" / "_bad_loss_entry.py", env=env)
 
 
-def _failures_found(tmp_path, node_shim, disabled: str | None = None) -> list[str]:
+def _failures_found(tmp_path, node_shim, disabled: str | None = None,
+                    env: dict | None = None) -> list[str]:
     """Jobs 1 and 2, job 2 on another node (tests/native/other_node_shim.c: megatron reads the
     node's name from uname); the tracker file's lines."""
-    first = _nan_job(tmp_path, "first", "ckpt", disabled=disabled)
+    first = _nan_job(tmp_path, "first", "ckpt", disabled=disabled, env=env)
     assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
     assert "First rerun: unexpected result is reproducible" in first.log, first.log[-3000:]
-    second = _nan_job(tmp_path, "second", "ckpt", disabled=disabled,
+    second = _nan_job(tmp_path, "second", "ckpt", disabled=disabled, env=env,
                       elsewhere={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
     assert second.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, second.log[-3000:]
     assert "Second rerun: unexpected result is reproducible on a different GPU" in second.log
     return (tmp_path / "rejected.txt").read_text().splitlines()
 
 
-def _iterations_named(lines: list[str]) -> dict[str, int]:
-    """Each tracker line's status -> the iteration it names (one line per status)."""
-    named = {re.search(r" status=RerunValidationStatus\.(\w+) ", line).group(1):
+def _iterations_named(lines: list[str]) -> dict[tuple[int, str], int]:
+    """Each tracker line's (rank, status) -> the iteration it names (one line for each)."""
+    named = {(int(re.search(r" rank=(\d+) ", line).group(1)),
+              re.search(r" status=RerunValidationStatus\.(\w+) ", line).group(1)):
              int(re.search(r" iteration=(\d+) ", line).group(1)) for line in lines}
     assert len(named) == len(lines), lines
     return named
 
 
+STATUSES = ("INITIAL_RUN", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUCIBLE")
+
+
 @pytest.mark.slow
 def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node_shim):
-    """rerun-iteration-number and skipped-iteration-ends-rerun. Every tracker line names
-    iteration 3, job 3 skips it and trains iteration 4 from the checkpoint. With
-    skipped-iteration-ends-rerun left out (megatron-core 0.19.2), job 3 skips iteration 3 as
-    asked, but megatron's skipped step leaves the checkpoint's rerun state machine rerunning,
-    and the next step runs no forward or backward and exits 17: the job never trains on."""
+    """rerun-iteration-number, skipped-iteration-ends-rerun and the forward step's one tracker
+    line per TP group. Every line is TP rank 0's and names iteration 3; job 3 skips it and
+    trains iteration 4 from the checkpoint. With skipped-iteration-ends-rerun left out
+    (megatron-core 0.19.2), job 3 skips iteration 3 as asked, but megatron's skipped step leaves
+    the checkpoint's rerun state machine rerunning, and the next step runs no forward or
+    backward and exits 17: the job never trains on."""
     lines = _failures_found(tmp_path, node_shim)
-    assert _iterations_named(lines) == {"INITIAL_RUN": NAN_AT, "FIRST_RERUN_REPRODUCIBLE": NAN_AT,
-                                        "SECOND_RERUN_REPRODUCIBLE": NAN_AT}, lines
+    assert _iterations_named(lines) == {(0, status): NAN_AT for status in STATUSES}, lines
     third = _nan_job(tmp_path, "third", "ckpt-third")
     assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in third.log
     assert third.returncode == 0, third.log[-3000:]
@@ -169,19 +177,30 @@ def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node
 
 
 @pytest.mark.slow
+def test_a_line_from_each_tp_rank_keeps_the_batch_from_being_skipped(tmp_path, node_shim):
+    """The forward step's one line per TP group left out ($TRACKER_LINE_PER_RANK, as megatron's
+    own GPT step writes them): both TP ranks write each failure, and megatron's reading of the
+    file (RerunStateMachine.get_skipped_iterations_from_tracker_file, what job 3 runs at its
+    start) calls iteration 3 a fault of several ranks and skips nothing."""
+    lines = _failures_found(tmp_path, node_shim, env={"TRACKER_LINE_PER_RANK": "1"})
+    assert _iterations_named(lines) == {(rank, status): NAN_AT
+                                        for rank in (0, 1) for status in STATUSES}, lines
+    assert RerunStateMachine.get_skipped_iterations_from_tracker_file(
+        str(tmp_path / "rejected.txt")) == []
+
+
+@pytest.mark.slow
 def test_unpatched_the_tracker_names_the_next_iteration_and_nothing_is_skipped(tmp_path,
                                                                                 node_shim):
     """rerun-iteration-number left out (megatron-core 0.19.2): during the step it logs as
     iteration 3 megatron's rerun state machine counts 4 (train() starts it at the iterations
     done, and it counts each step on top), so job 1's lines name iteration 4; job 2's rerun from
-    the checkpoint is not counted and names 3. No iteration is named twice, job 3 skips nothing
-    and runs megatron's rerun again, on the node that found the NaN: it exits 16, as every
-    restart after it would."""
+    the checkpoint is not counted and names 3. No iteration is named twice, and megatron's
+    reading of the file skips nothing: job 3 would run the rerun again, on the node that found
+    the NaN, and exit 16, as every restart after it."""
     lines = _failures_found(tmp_path, node_shim, disabled="rerun-iteration-number")
-    assert _iterations_named(lines) == {"INITIAL_RUN": NAN_AT + 1,
-                                        "FIRST_RERUN_REPRODUCIBLE": NAN_AT + 1,
-                                        "SECOND_RERUN_REPRODUCIBLE": NAN_AT}, lines
-    third = _nan_job(tmp_path, "third", "ckpt-third", disabled="rerun-iteration-number")
-    assert "Will skip these iterations from tracker file: []" in third.log, third.log[-3000:]
-    assert third.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, third.log[-3000:]
-    assert "Got rescheduled on the same GPU" in third.log, third.log[-3000:]
+    assert _iterations_named(lines) == {(0, "INITIAL_RUN"): NAN_AT + 1,
+                                        (0, "FIRST_RERUN_REPRODUCIBLE"): NAN_AT + 1,
+                                        (0, "SECOND_RERUN_REPRODUCIBLE"): NAN_AT}, lines
+    assert RerunStateMachine.get_skipped_iterations_from_tracker_file(
+        str(tmp_path / "rejected.txt")) == []
