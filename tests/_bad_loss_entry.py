@@ -2,7 +2,8 @@
 the second iteration on, or at iteration $BAD_LOSS_AT only (1-based) where that is set
 (test_loss_checks_cpu only). With $TRACKER_LINE_PER_RANK=1 every tensor-parallel rank writes its
 --result-rejected-tracker-filename line, as megatron's own GPT step has them do (the forward
-step's one line per TP group left out).
+step's one line per TP group left out). With $BATCH_PROBE=1 every rank prints
+`batch read: iteration <n> rank <r> tokens <sum of the token ids>` for each micro-batch it reads.
 
 The project's forward step and loss function run unchanged; the loss function is handed the
 model's token losses plus a constant, so the gradients stay those of the true loss and only a
@@ -30,6 +31,18 @@ from megatron.training import get_args  # noqa: E402
 from moe_launcher import gpt_step  # noqa: E402
 
 forward_step = gpt_step.forward_step
+if os.environ.get("BATCH_PROBE") == "1":
+    read_batch = gpt_step._next_batch
+
+    def _next_batch_probed(data_iterator):
+        batch = read_batch(data_iterator)
+        # one write (not print's two): the other rank's line cannot land inside it
+        sys.stdout.write(f"batch read: iteration {get_args().curr_iteration + 1} rank "
+                         f"{torch.distributed.get_rank()} tokens {int(batch['tokens'].sum())}\n")
+        sys.stdout.flush()
+        return batch
+
+    gpt_step._next_batch = _next_batch_probed
 if os.environ.get("TRACKER_LINE_PER_RANK") == "1":
     gpt_step._tracker_written_by_tp_rank_0 = lambda machine: contextlib.nullcontext()
 

@@ -204,3 +204,38 @@ def test_unpatched_the_tracker_names_the_next_iteration_and_nothing_is_skipped(t
                                         (0, "SECOND_RERUN_REPRODUCIBLE"): NAN_AT}, lines
     assert RerunStateMachine.get_skipped_iterations_from_tracker_file(
         str(tmp_path / "rejected.txt")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_the_tp_ranks_read_the_same_batches_after_a_skipped_iteration(patched, tmp_path):
+    """skipped-iteration-reads-every-rank. A tracker file naming iteration 3 twice on rank 0 (two
+    jobs' lines, in megatron's format) makes megatron skip it at TP2. Patched, both TP ranks
+    read the same micro-batches at iteration 4, as at 1-2. Unpatched, megatron's skipped step
+    reads iteration 3's batches on TP rank 0 only (megatron's GPT step reads there alone; the
+    launcher's on every rank), so from iteration 4 on TP rank 1 reads other batches than TP rank
+    0: the batch it missed, then each one late."""
+    tracker = tmp_path / "rejected.txt"
+    tracker.write_text("".join(
+        f"ts=0 node=n device=0 jobID={job} rank=0 iteration=3 "
+        f"status=RerunValidationStatus.RERUN_DISABLED result=nan message='loss'\n"
+        for job in (1, 2)))
+    run = launch(2, [*TINY_MODEL, *TP2, "--train-iters", "4",
+                     "--result-rejected-tracker-filename", str(tracker)],
+                 script=REPO / "tests" / "_bad_loss_entry.py",
+                 env={"BAD_LOSS": "0", "BATCH_PROBE": "1",
+                      **({} if patched else
+                         {"MEGATRON_PATCHES_DISABLE": "skipped-iteration-reads-every-rank"})})
+    run.check()
+    assert "Will skip these iterations from tracker file: [3]" in run.log, run.log[-3000:]
+    read: dict[tuple[int, int], list[int]] = {}
+    for iteration, rank, tokens in re.findall(
+            r"^batch read: iteration (\d+) rank (\d+) tokens (\d+)$", run.log, re.M):
+        read.setdefault((int(iteration), int(rank)), []).append(int(tokens))
+    assert sorted({iteration for iteration, _ in read}) == [1, 2, 4], read  # 4 micro-batches
+    assert all(len(read[i, rank]) == 4 for i in (1, 2, 4) for rank in (0, 1)), read
+    assert read[1, 0] == read[1, 1] and read[2, 0] == read[2, 1], read
+    if patched:
+        assert read[4, 0] == read[4, 1], read
+    else:
+        assert read[4, 0] != read[4, 1], read
