@@ -40,19 +40,19 @@ STEP_BIASES = ("expert_bias", "qb_beta")
 @dataclasses.dataclass
 class RunningStep:
     """The train_step running: each router bias as the step began (empty between steps and
-    without such biases); the biases, found once per model."""
+    without such biases); which routers hold which biases, found once per model (each bias is
+    read from its router at every step: a router may hand its buffer a new tensor)."""
 
     biases: list = dataclasses.field(default_factory=list)  # (bias, its value at step start)
     model: list | None = None
-    found: list = dataclasses.field(default_factory=list)
+    holders: list = dataclasses.field(default_factory=list)  # (router, bias name)
 
     def biases_of(self, model: list) -> list:
         if model is not self.model:
             self.model = model
-            self.found = [bias for chunk in model for module in chunk.modules()
-                          for bias in (getattr(module, name, None) for name in STEP_BIASES)
-                          if bias is not None]
-        return self.found
+            self.holders = [(module, name) for chunk in model for module in chunk.modules()
+                            for name in STEP_BIASES if getattr(module, name, None) is not None]
+        return [getattr(module, name) for module, name in self.holders]
 
 
 def _tracking_the_step(train_step, step: RunningStep):
