@@ -72,14 +72,20 @@ def _next_batch(data_iterator):
 
 
 @contextlib.contextmanager
-def _tracker_written_by_tp_rank_0(rerun_state_machine):
-    """Every tensor-parallel rank computes the same loss (vocab-parallel cross-entropy), so one
-    failure of it would be a --result-rejected-tracker-filename line from each: megatron reads
-    an iteration that several ranks of one job failed as a fault of the job, not of its data,
-    and never skips it ("Will not skip these iterations due to multiple rank errors"), so at
-    TP > 1 a batch that fails everywhere failed every restart. The ranks past TP rank 0 still
-    check the loss (each reruns, stops, says so) but write no line."""
-    if parallel_state.get_tensor_model_parallel_rank() == 0:
+def _tracker_lines_kept(rerun_state_machine, training: bool):
+    """Which checks of the loss write their failures to --result-rejected-tracker-filename,
+    where megatron finds the training iterations to skip at the next start (an iteration one
+    rank failed twice). Megatron's own GPT step has every rank write every failure; here:
+    - TP rank 0's only. Every tensor-parallel rank computes the same loss (vocab-parallel
+      cross-entropy); megatron reads an iteration that several ranks of one job failed as a
+      fault of the job, not of its data, and never skips it ("Will not skip these iterations
+      due to multiple rank errors"): at TP > 1 a batch that failed everywhere failed at every
+      restart.
+    - Training's only. A failed evaluation batch (megatron evaluates with reruns disabled, so
+      it stops the run) was written under the last training iteration's number, so a job
+      that failed twice at evaluation then skipped that training iteration's good batch.
+    The other checks run as before (each rank reruns, stops, says so); they write no line."""
+    if training and parallel_state.get_tensor_model_parallel_rank() == 0:
         yield
         return
     tracker = rerun_state_machine.result_rejected_tracker_filename
@@ -90,7 +96,7 @@ def _tracker_written_by_tp_rank_0(rerun_state_machine):
         rerun_state_machine.result_rejected_tracker_filename = tracker
 
 
-def _validate_loss(loss: torch.Tensor) -> None:
+def _validate_loss(loss: torch.Tensor, training: bool) -> None:
     """megatron's checks of this rank's loss, before the data-parallel reduction; the rerun
     state machine reruns the step, and stops the job for a NaN or Inf that reproduces.
 
@@ -102,7 +108,7 @@ def _validate_loss(loss: torch.Tensor) -> None:
     loss = loss.detach().clone()
     args = get_args()
     rerun_state_machine = get_rerun_state_machine()
-    with _tracker_written_by_tp_rank_0(rerun_state_machine):
+    with _tracker_lines_kept(rerun_state_machine, training):
         if args.check_for_nan_in_loss_and_grad:
             for rejection_func, name in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
                 rerun_state_machine.validate_result(
@@ -118,15 +124,16 @@ def _validate_loss(loss: torch.Tensor) -> None:
                 message="Spiky loss", tolerance=0.0, fatal=False)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, training: bool = True):
     """Sum of token losses, the token count, and the (sum, count) pair megatron averages.
 
     Under context parallelism both cover this rank's slice of the sequence: megatron's schedule
-    and its data-parallel reduction (over DP x CP) combine the slices."""
+    and its data-parallel reduction (over DP x CP) combine the slices. `training`: the model
+    is training, not evaluated."""
     mask = loss_mask.view(-1).float()
     loss_sum = torch.sum(output_tensor.view(-1).float() * mask)
     num_tokens = mask.sum().to(torch.int)
-    _validate_loss(loss_sum)
+    _validate_loss(loss_sum, training)
     report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
     return loss_sum, num_tokens, {"lm loss": report}
 
@@ -144,4 +151,4 @@ def forward_step(data_iterator, model):
         labels=batch["labels"] if (is_last or args.mtp_num_layers) else None,
         loss_mask=batch["loss_mask"],
     )
-    return output, partial(loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"], training=model.training)

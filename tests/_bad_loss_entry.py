@@ -1,8 +1,9 @@
 """pretrain_moe.py whose token losses get $BAD_LOSS added (nan, inf, or a number: a spike) from
-the second iteration on, or at iteration $BAD_LOSS_AT only (1-based) where that is set
-(test_loss_checks_cpu only). With $TRACKER_LINE_PER_RANK=1 every tensor-parallel rank writes its
---result-rejected-tracker-filename line, as megatron's own GPT step has them do (the forward
-step's one line per TP group left out). With $BATCH_PROBE=1 every rank prints
+the second iteration on, or at iteration $BAD_LOSS_AT only (1-based) where that is set, or,
+with $BAD_LOSS_IN=evaluation, to the losses of evaluation only (test_loss_checks_cpu only).
+With $TRACKER_LINE_PER_RANK=1 every check of the loss writes its failures to
+--result-rejected-tracker-filename, on every rank and in evaluation too, as megatron's own GPT
+step has them (gpt_step._tracker_lines_kept left out). With $BATCH_PROBE=1 every rank prints
 `batch read: iteration <n> rank <r> tokens <sum of the token ids>` for each micro-batch it reads.
 
 The project's forward step and loss function run unchanged; the loss function is handed the
@@ -44,20 +45,23 @@ if os.environ.get("BATCH_PROBE") == "1":
 
     gpt_step._next_batch = _next_batch_probed
 if os.environ.get("TRACKER_LINE_PER_RANK") == "1":
-    gpt_step._tracker_written_by_tp_rank_0 = lambda machine: contextlib.nullcontext()
+    gpt_step._tracker_lines_kept = lambda machine, training: contextlib.nullcontext()
 
 
 BAD_LOSS = float(os.environ["BAD_LOSS"])
 BAD_LOSS_AT = int(os.environ.get("BAD_LOSS_AT", "0"))
+IN_EVALUATION = os.environ.get("BAD_LOSS_IN") == "evaluation"
 
 
-def _bad(iteration: int) -> bool:  # megatron's curr_iteration counts from 0
-    return iteration + 1 == BAD_LOSS_AT if BAD_LOSS_AT else iteration >= 1
+def _bad(iteration: int, training: bool) -> bool:  # megatron's curr_iteration counts from 0
+    if IN_EVALUATION:
+        return not training
+    return training and (iteration + 1 == BAD_LOSS_AT if BAD_LOSS_AT else iteration >= 1)
 
 
 def forward_step_with_bad_loss(data_iterator, model):
     output, loss_func = forward_step(data_iterator, model)
-    if not _bad(get_args().curr_iteration):
+    if not _bad(get_args().curr_iteration, model.training):
         return output, loss_func
     return output, lambda output_tensor: loss_func(output_tensor + BAD_LOSS)
 

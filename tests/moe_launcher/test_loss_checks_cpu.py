@@ -239,3 +239,30 @@ def test_the_tp_ranks_read_the_same_batches_after_a_skipped_iteration(patched, t
         assert read[4, 0] == read[4, 1], read
     else:
         assert read[4, 0] != read[4, 1], read
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", [True, False], ids=["training-lines", "every-line"])
+def test_a_failed_evaluation_names_no_training_iteration_to_skip(kept, tmp_path):
+    """A NaN loss in evaluation (after iteration 2) stops the run: megatron evaluates with its
+    reruns disabled, so the check raises. The forward step writes no tracker line for it. With
+    every check's failures written, as megatron's GPT step has them ($TRACKER_LINE_PER_RANK),
+    each such job adds a line under training iteration 2, and after two of them megatron's
+    reading of the file skips iteration 2, a batch that trained well."""
+    tracker = tmp_path / "rejected.txt"
+    for job in (1, 2):
+        run = launch(1, [*TINY_MODEL, "--train-iters", "2", "--eval-interval", "2",
+                         "--eval-iters", "1", "--result-rejected-tracker-filename", str(tracker)],
+                     script=REPO / "tests" / "_bad_loss_entry.py",
+                     env={"BAD_LOSS": "nan", "BAD_LOSS_IN": "evaluation",
+                          **({} if kept else {"TRACKER_LINE_PER_RANK": "1"})})
+        assert run.returncode != 0, run.log[-3000:]
+        assert "Unexpected result nan" in run.log, run.log[-3000:]
+        assert "iteration        2/" in run.log  # trained, then failed at evaluation
+        lines = tracker.read_text().splitlines()  # megatron creates the file at its start
+        if kept:
+            assert lines == []
+            return  # nothing to read back
+        assert len(lines) == job and " iteration=2 status=RerunValidationStatus.RERUN_DISABLED " \
+            in lines[-1], lines
+    assert RerunStateMachine.get_skipped_iterations_from_tracker_file(str(tracker)) == [2]
