@@ -9,11 +9,14 @@ only and broadcasts them to the other TP ranks: megatron's own GPT step reads da
 The launcher's forward step (moe_launcher/gpt_step.py) has every rank read its own copy of each
 batch, so after a skip the data iterators of TP ranks > 0 were one global batch behind TP rank
 0's: from then on the TP ranks of a replica trained on different batches (with sequence
-parallelism each took its part of another sequence), without a word.
+parallelism each took its part of another sequence), without a word. With a virtual pipeline
+(one data iterator per model chunk) megatron's skipped step fails on every rank ("'list' object
+is not an iterator").
 
-The fix: the skipped step reads the iteration's micro-batches on every rank, through megatron's
-rerun state machine loop as megatron's does, and nothing else (no broadcast: every rank holds
-its own copy; nothing is checked, the batch is skipped).
+The fix: the skipped step reads the iteration's micro-batches on every rank, from each model
+chunk's iterator as the forward step does, through megatron's rerun state machine loop as
+megatron's does, and nothing else (no broadcast: every rank holds its own copy; nothing is
+checked, the batch is skipped).
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ def _reading_on_every_rank(dummy_train_step):
         from megatron.core.num_microbatches_calculator import get_num_microbatches
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
+        chunks = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         machine = get_rerun_state_machine()
         while machine.should_run_forward_backward(data_iterator):
-            for _ in range(get_num_microbatches()):
-                next(data_iterator)
+            for chunk_iterator in chunks:
+                if chunk_iterator is not None:
+                    for _ in range(get_num_microbatches()):
+                        next(chunk_iterator)
 
     dummy_train_step_every_rank.__wrapped_by__ = NAME
     return dummy_train_step_every_rank

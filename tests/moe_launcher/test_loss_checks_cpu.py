@@ -206,39 +206,56 @@ def test_unpatched_the_tracker_names_the_next_iteration_and_nothing_is_skipped(t
         str(tmp_path / "rejected.txt")) == []
 
 
+# Layouts whose ranks all read the same batches (one DP replica): TP2; PP2 x VPP2, where each
+# rank reads every micro-batch once for each of its two model chunks.
+SKIP_LAYOUTS = {"tp2": TP2, "pp2-vpp2": ["--num-layers", "4", "--pipeline-model-parallel-size",
+                                         "2", "--num-virtual-stages-per-pipeline-rank", "2"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
-def test_the_tp_ranks_read_the_same_batches_after_a_skipped_iteration(patched, tmp_path):
+@pytest.mark.parametrize("layout", sorted(SKIP_LAYOUTS))
+def test_every_rank_reads_the_same_batches_after_a_skipped_iteration(layout, patched, tmp_path):
     """skipped-iteration-reads-every-rank. A tracker file naming iteration 3 twice on rank 0 (two
-    jobs' lines, in megatron's format) makes megatron skip it at TP2. Patched, both TP ranks
-    read the same micro-batches at iteration 4, as at 1-2. Unpatched, megatron's skipped step
-    reads iteration 3's batches on TP rank 0 only (megatron's GPT step reads there alone; the
+    jobs' lines, in megatron's format) makes megatron skip it. Patched, both ranks read the same
+    micro-batches at iteration 4, as at 1-2. Unpatched, at TP2 megatron's skipped step reads
+    iteration 3's batches on TP rank 0 only (megatron's GPT step reads there alone; the
     launcher's on every rank), so from iteration 4 on TP rank 1 reads other batches than TP rank
-    0: the batch it missed, then each one late."""
+    0: the batch it missed, then each one late. At PP2 x VPP2 (one iterator per model chunk)
+    megatron's skipped step fails on both ranks."""
     tracker = tmp_path / "rejected.txt"
     tracker.write_text("".join(
         f"ts=0 node=n device=0 jobID={job} rank=0 iteration=3 "
         f"status=RerunValidationStatus.RERUN_DISABLED result=nan message='loss'\n"
         for job in (1, 2)))
-    run = launch(2, [*TINY_MODEL, *TP2, "--train-iters", "4",
+    run = launch(2, [*TINY_MODEL, *SKIP_LAYOUTS[layout], "--train-iters", "4",
                      "--result-rejected-tracker-filename", str(tracker)],
                  script=REPO / "tests" / "_bad_loss_entry.py",
                  env={"BAD_LOSS": "0", "BATCH_PROBE": "1",
                       **({} if patched else
                          {"MEGATRON_PATCHES_DISABLE": "skipped-iteration-reads-every-rank"})})
-    run.check()
     assert "Will skip these iterations from tracker file: [3]" in run.log, run.log[-3000:]
+    if not patched and layout == "pp2-vpp2":
+        assert run.exit_codes == [1, 1], run.log[-3000:]
+        assert "TypeError: 'list' object is not an iterator" in run.log, run.log[-3000:]
+        return
+    run.check()
     read: dict[tuple[int, int], list[int]] = {}
     for iteration, rank, tokens in re.findall(
             r"^batch read: iteration (\d+) rank (\d+) tokens (\d+)$", run.log, re.M):
         read.setdefault((int(iteration), int(rank)), []).append(int(tokens))
-    assert sorted({iteration for iteration, _ in read}) == [1, 2, 4], read  # 4 micro-batches
-    assert all(len(read[i, rank]) == 4 for i in (1, 2, 4) for rank in (0, 1)), read
-    assert read[1, 0] == read[1, 1] and read[2, 0] == read[2, 1], read
+    reads = 4 if layout == "tp2" else 8  # micro-batches x model chunks
+    assert sorted({iteration for iteration, _ in read}) == [1, 2, 4], read
+    assert all(len(read[i, rank]) == reads for i in (1, 2, 4) for rank in (0, 1)), read
+
+    def batches(iteration, rank):  # the chunks of a virtual pipeline read in schedule order
+        return sorted(read[iteration, rank])
+
+    assert batches(1, 0) == batches(1, 1) and batches(2, 0) == batches(2, 1), read
     if patched:
-        assert read[4, 0] == read[4, 1], read
+        assert batches(4, 0) == batches(4, 1), read
     else:
-        assert read[4, 0] != read[4, 1], read
+        assert batches(4, 0) != batches(4, 1), read
 
 
 @pytest.mark.slow
