@@ -118,8 +118,8 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
 def _nan_job(tmp_path, name: str, save: str, elsewhere: dict | None = None,
-             disabled: str | None = None, env: dict | None = None):
-    env = {"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(elsewhere or {}), **(env or {}),
+             disabled: str | None = None):
+    env = {"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(elsewhere or {}),
            **({"MEGATRON_PATCHES_DISABLE": disabled} if disabled else {})}
     return launch(2, [*TINY_MODEL, *TP2, "--train-iters", str(NAN_ITERS),
                       "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / save),
@@ -128,27 +128,24 @@ def _nan_job(tmp_path, name: str, save: str, elsewhere: dict | None = None,
                   script=REPO / "tests" / "_bad_loss_entry.py", env=env)
 
 
-def _failures_found(tmp_path, node_shim, disabled: str | None = None,
-                    env: dict | None = None) -> list[str]:
+def _failures_found(tmp_path, node_shim) -> list[str]:
     """Jobs 1 and 2, job 2 on another node (tests/native/other_node_shim.c: megatron reads the
     node's name from uname); the tracker file's lines."""
-    first = _nan_job(tmp_path, "first", "ckpt", disabled=disabled, env=env)
+    first = _nan_job(tmp_path, "first", "ckpt")
     assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
     assert "First rerun: unexpected result is reproducible" in first.log, first.log[-3000:]
-    second = _nan_job(tmp_path, "second", "ckpt", disabled=disabled, env=env,
+    second = _nan_job(tmp_path, "second", "ckpt",
                       elsewhere={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
     assert second.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, second.log[-3000:]
     assert "Second rerun: unexpected result is reproducible on a different GPU" in second.log
     return (tmp_path / "rejected.txt").read_text().splitlines()
 
 
-def _iterations_named(lines: list[str]) -> dict[tuple[int, str], int]:
-    """Each tracker line's (rank, status) -> the iteration it names (one line for each)."""
-    named = {(int(re.search(r" rank=(\d+) ", line).group(1)),
-              re.search(r" status=RerunValidationStatus\.(\w+) ", line).group(1)):
-             int(re.search(r" iteration=(\d+) ", line).group(1)) for line in lines}
-    assert len(named) == len(lines), lines
-    return named
+def _lines(lines: list[str]) -> list[tuple[int, str, int]]:
+    """(rank, status, iteration named) of each tracker line, sorted."""
+    return sorted((int(re.search(r" rank=(\d+) ", line).group(1)),
+                   re.search(r" status=RerunValidationStatus\.(\w+) ", line).group(1),
+                   int(re.search(r" iteration=(\d+) ", line).group(1))) for line in lines)
 
 
 STATUSES = ("INITIAL_RUN", "FIRST_RERUN_REPRODUCIBLE", "SECOND_RERUN_REPRODUCIBLE")
@@ -163,7 +160,7 @@ def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node
     the checkpoint's rerun state machine rerunning, and the next step runs no forward or
     backward and exits 17: the job never trains on."""
     lines = _failures_found(tmp_path, node_shim)
-    assert _iterations_named(lines) == {(0, status): NAN_AT for status in STATUSES}, lines
+    assert _lines(lines) == [(0, status, NAN_AT) for status in sorted(STATUSES)], lines
     third = _nan_job(tmp_path, "third", "ckpt-third")
     assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in third.log
     assert third.returncode == 0, third.log[-3000:]
@@ -176,34 +173,44 @@ def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node
     assert not tensorboard_scalars(tmp_path / "stuck", "lm loss")
 
 
+def _failures_without_reruns(tmp_path, env: dict) -> list[str]:
+    """Two jobs with --rerun-mode disabled, where each NaN stops the job at once (no rerun, no
+    checkpoint, no other node needed); the tracker file's lines."""
+    for job in (1, 2):
+        run = launch(2, [*TINY_MODEL, *TP2, "--train-iters", str(NAN_ITERS), "--rerun-mode",
+                         "disabled", "--result-rejected-tracker-filename",
+                         str(tmp_path / "rejected.txt")],
+                     script=REPO / "tests" / "_bad_loss_entry.py",
+                     env={"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **env})
+        assert run.returncode != 0 and "Unexpected result nan" in run.log, run.log[-3000:]
+    return (tmp_path / "rejected.txt").read_text().splitlines()
+
+
 @pytest.mark.slow
-def test_a_line_from_each_tp_rank_keeps_the_batch_from_being_skipped(tmp_path, node_shim):
+def test_a_line_from_each_tp_rank_keeps_the_batch_from_being_skipped(tmp_path):
     """The forward step's one line per TP group left out ($TRACKER_LINE_PER_RANK, as megatron's
-    own GPT step writes them): both TP ranks write each failure, and megatron's reading of the
-    file (RerunStateMachine.get_skipped_iterations_from_tracker_file, what job 3 runs at its
-    start) calls iteration 3 a fault of several ranks and skips nothing."""
-    lines = _failures_found(tmp_path, node_shim, env={"TRACKER_LINE_PER_RANK": "1"})
-    assert _iterations_named(lines) == {(rank, status): NAN_AT
-                                        for rank in (0, 1) for status in STATUSES}, lines
+    own GPT step writes them): both TP ranks write each failure of iteration 3, and megatron's
+    reading of the file (RerunStateMachine.get_skipped_iterations_from_tracker_file, what the
+    next job runs at its start) calls it a fault of several ranks and skips nothing."""
+    lines = _failures_without_reruns(tmp_path, {"TRACKER_LINE_PER_RANK": "1"})
+    assert _lines(lines) == [(rank, "RERUN_DISABLED", NAN_AT) for rank in (0, 0, 1, 1)], lines
     assert RerunStateMachine.get_skipped_iterations_from_tracker_file(
         str(tmp_path / "rejected.txt")) == []
 
 
 @pytest.mark.slow
-def test_unpatched_the_tracker_names_the_next_iteration_and_nothing_is_skipped(tmp_path,
-                                                                                node_shim):
+def test_unpatched_the_tracker_names_the_next_iteration(tmp_path):
     """rerun-iteration-number left out (megatron-core 0.19.2): during the step it logs as
     iteration 3 megatron's rerun state machine counts 4 (train() starts it at the iterations
-    done, and it counts each step on top), so job 1's lines name iteration 4; job 2's rerun from
-    the checkpoint is not counted and names 3. No iteration is named twice, and megatron's
-    reading of the file skips nothing: job 3 would run the rerun again, on the node that found
-    the NaN, and exit 16, as every restart after it."""
-    lines = _failures_found(tmp_path, node_shim, disabled="rerun-iteration-number")
-    assert _iterations_named(lines) == {(0, "INITIAL_RUN"): NAN_AT + 1,
-                                        (0, "FIRST_RERUN_REPRODUCIBLE"): NAN_AT + 1,
-                                        (0, "SECOND_RERUN_REPRODUCIBLE"): NAN_AT}, lines
+    done, and it counts each step on top), so both jobs' lines name iteration 4 and megatron's
+    reading of the file skips iteration 4, a good batch, while the bad one fails again. (With
+    reruns on, the checkpoint rerun is not counted again and names 3: nothing is ever named
+    twice, nothing skipped.)"""
+    lines = _failures_without_reruns(tmp_path,
+                                     {"MEGATRON_PATCHES_DISABLE": "rerun-iteration-number"})
+    assert _lines(lines) == [(0, "RERUN_DISABLED", NAN_AT + 1)] * 2, lines
     assert RerunStateMachine.get_skipped_iterations_from_tracker_file(
-        str(tmp_path / "rejected.txt")) == []
+        str(tmp_path / "rejected.txt")) == [NAN_AT + 1]
 
 
 # Layouts whose ranks all read the same batches (one DP replica): TP2; PP2 x VPP2, where each
