@@ -153,6 +153,7 @@ PATCH_MODULES = (
     "megatron_patches.moe.expert_load_metrics",
     "megatron_patches.moe.rerun_restores_moe_step_state",
     "megatron_patches.checkpointing.rerun_iteration_number",
+    "megatron_patches.checkpointing.rerun_without_save",
     "megatron_patches.checkpointing.skipped_iteration_reads_every_rank",
     "megatron_patches.checkpointing.skipped_iteration_ends_rerun",
     "megatron_patches.accounting.layer_layout_validation",

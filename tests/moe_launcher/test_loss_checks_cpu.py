@@ -105,6 +105,27 @@ def test_a_rerun_step_trains_and_logs_as_the_step_itself(router, tmp_path):
                                                          rel=1e-2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_a_result_that_reproduces_without_save_stops_in_one_line(patched, tmp_path):
+    """rerun-without-save. A NaN at iteration 3 reproduces when megatron reruns the step in
+    place, and megatron asks for a checkpoint to rerun it from on another GPU; the run has no
+    --save. Patched: one line saying so, exit 17, no traceback. Unpatched (megatron-core
+    0.19.2): megatron's save fails with a TypeError from os.path.join on None, exit 1."""
+    run = launch(1, [*TINY_MODEL, "--train-iters", "4"],
+                 script=REPO / "tests" / "_bad_loss_entry.py",
+                 env={"BAD_LOSS": "nan", "BAD_LOSS_AT": "3",
+                      **({} if patched else {"MEGATRON_PATCHES_DISABLE": "rerun-without-save"})})
+    assert "First rerun: unexpected result is reproducible" in run.log, run.log[-3000:]
+    if patched:
+        assert run.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, run.log[-3000:]
+        assert "rerun-without-save: iteration 3's result reproduced" in run.log, run.log[-3000:]
+        assert "Traceback" not in run.log, run.log[-3000:]
+    else:
+        assert run.returncode == 1, run.log[-3000:]
+        assert "TypeError: expected str, bytes or os.PathLike object, not NoneType" in run.log
+
+
 # megatron's recovery from a batch that fails wherever it runs, with the default --rerun-mode
 # validate_results: job 1 finds the NaN, reruns the step in place, saves a checkpoint to rerun
 # it from and exits 16; job 2, on another node, reruns it and exits 17 ("Correct result (but
