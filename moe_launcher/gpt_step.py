@@ -124,7 +124,7 @@ def _validate_loss(loss: torch.Tensor, training: bool) -> None:
                 message="Spiky loss", tolerance=0.0, fatal=False)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, training: bool = True):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, training: bool):
     """Sum of token losses, the token count, and the (sum, count) pair megatron averages.
 
     Under context parallelism both cover this rank's slice of the sequence: megatron's schedule

@@ -138,15 +138,16 @@ NAN_AT, NAN_ITERS = 3, 4
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
-def _nan_job(tmp_path, name: str, save: str, elsewhere: dict | None = None,
-             disabled: str | None = None):
-    env = {"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(elsewhere or {}),
-           **({"MEGATRON_PATCHES_DISABLE": disabled} if disabled else {})}
+def _nan_job(tmp_path, name: str, save: str, env: dict | None = None, flags: tuple = ()):
+    """A TP2 job whose loss is NaN at NAN_AT, resuming from tmp_path/ckpt, writing tmp_path/
+    rejected.txt; `env` and `flags` added to the launch's."""
     return launch(2, [*TINY_MODEL, *TP2, "--train-iters", str(NAN_ITERS),
                       "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / save),
                       "--save-interval", "100", "--tensorboard-dir", str(tmp_path / name),
-                      "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt")],
-                  script=REPO / "tests" / "_bad_loss_entry.py", env=env)
+                      "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt"),
+                      *flags],
+                  script=REPO / "tests" / "_bad_loss_entry.py",
+                  env={"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(env or {})})
 
 
 def _failures_found(tmp_path, node_shim) -> list[str]:
@@ -156,7 +157,7 @@ def _failures_found(tmp_path, node_shim) -> list[str]:
     assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
     assert "First rerun: unexpected result is reproducible" in first.log, first.log[-3000:]
     second = _nan_job(tmp_path, "second", "ckpt",
-                      elsewhere={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
+                      env={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
     assert second.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, second.log[-3000:]
     assert "Second rerun: unexpected result is reproducible on a different GPU" in second.log
     return (tmp_path / "rejected.txt").read_text().splitlines()
@@ -187,7 +188,8 @@ def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node
     assert third.returncode == 0, third.log[-3000:]
     assert f"skipped-iteration-ends-rerun: iteration {NAN_AT}," in third.log, third.log[-3000:]
     assert sorted(tensorboard_scalars(tmp_path / "third", "lm loss")) == [NAN_ITERS]
-    stuck = _nan_job(tmp_path, "stuck", "ckpt-stuck", disabled="skipped-iteration-ends-rerun")
+    stuck = _nan_job(tmp_path, "stuck", "ckpt-stuck",
+                     env={"MEGATRON_PATCHES_DISABLE": "skipped-iteration-ends-rerun"})
     assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in stuck.log
     assert stuck.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, stuck.log[-3000:]
     assert "A checkpoint at the last iteration already exists" in stuck.log, stuck.log[-3000:]
@@ -197,12 +199,8 @@ def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node
 def _failures_without_reruns(tmp_path, env: dict) -> list[str]:
     """Two jobs with --rerun-mode disabled, where each NaN stops the job at once (no rerun, no
     checkpoint, no other node needed); the tracker file's lines."""
-    for job in (1, 2):
-        run = launch(2, [*TINY_MODEL, *TP2, "--train-iters", str(NAN_ITERS), "--rerun-mode",
-                         "disabled", "--result-rejected-tracker-filename",
-                         str(tmp_path / "rejected.txt")],
-                     script=REPO / "tests" / "_bad_loss_entry.py",
-                     env={"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **env})
+    for job in ("first", "second"):
+        run = _nan_job(tmp_path, job, "ckpt", env, flags=("--rerun-mode", "disabled"))
         assert run.returncode != 0 and "Unexpected result nan" in run.log, run.log[-3000:]
     return (tmp_path / "rejected.txt").read_text().splitlines()
 
