@@ -420,6 +420,27 @@ def check_data_path(args) -> None:
                                        "moe_launcher.prepare_data)")
 
 
+@preflight_check("result-rejected-tracker")
+def check_result_rejected_tracker(args) -> None:
+    """megatron's rerun state machine opens --result-rejected-tracker-filename for appending on
+    every rank as it starts, and raises there (a traceback per rank) when it cannot."""
+    path = getattr(args, "result_rejected_tracker_filename", None)
+    if not path:
+        return
+    flag = "--result-rejected-tracker-filename"
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "is a folder"
+    elif not os.path.isdir(folder):
+        problem = f"is in a folder that does not exist ({folder})"
+    elif not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        problem = "cannot be written"
+    else:
+        return
+    raise PreflightError(flag, f"{flag} {path} {problem}; fix: pass a file in a folder the job "
+                               "can write (every job of the run appends to the same file)")
+
+
 @preflight_check("tokenizer-model-folder")
 def check_tokenizer_model_folder(args) -> None:
     # megatron's HuggingFaceTokenizer hands --tokenizer-model to transformers' AutoTokenizer,

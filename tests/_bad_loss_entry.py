@@ -5,6 +5,8 @@ With $TRACKER_LINE_PER_RANK=1 every check of the loss writes its failures to
 --result-rejected-tracker-filename, on every rank and in evaluation too, as megatron's own GPT
 step has them (gpt_step._tracker_lines_kept left out). With $BATCH_PROBE=1 every rank prints
 `batch read: iteration <n> rank <r> tokens <sum of the token ids>` for each micro-batch it reads.
+With $BAD_LOSS_RANK set, only that global rank's losses get $BAD_LOSS (a bad sample in one
+data-parallel replica's batch); every rank's otherwise.
 
 The project's forward step and loss function run unchanged; the loss function is handed the
 model's token losses plus a constant, so the gradients stay those of the true loss and only a
@@ -51,9 +53,12 @@ if os.environ.get("TRACKER_LINE_PER_RANK") == "1":
 BAD_LOSS = float(os.environ["BAD_LOSS"])
 BAD_LOSS_AT = int(os.environ.get("BAD_LOSS_AT", "0"))
 IN_EVALUATION = os.environ.get("BAD_LOSS_IN") == "evaluation"
+BAD_LOSS_RANK = os.environ.get("BAD_LOSS_RANK")
 
 
 def _bad(iteration: int, training: bool) -> bool:  # megatron's curr_iteration counts from 0
+    if BAD_LOSS_RANK is not None and torch.distributed.get_rank() != int(BAD_LOSS_RANK):
+        return False
     if IN_EVALUATION:
         return not training
     return training and (iteration + 1 == BAD_LOSS_AT if BAD_LOSS_AT else iteration >= 1)

@@ -10,7 +10,8 @@
 # Environment: RECIPE (default tiny_cpu), DATA_PATH (megatron --data-path value, blends allowed;
 # unset -> mock data), TOKENIZER_MODEL (with DATA_PATH: the local tokenizer folder it was
 # tokenized with), RUN_DIR (the run's folder, default runs/$RECIPE: megatron's argument dump
-# goes to $RUN_DIR/megatron_arguments.txt, named in the log), CKPT_DIR (default $RUN_DIR/ckpt),
+# goes to $RUN_DIR/megatron_arguments.txt, named in the log, and its rejected results to
+# $RUN_DIR/rejected_results.txt), CKPT_DIR (default $RUN_DIR/ckpt),
 # WANDB_PROJECT, WANDB_EXP_NAME,
 # EXTRA_ARGS (extra megatron flags, appended last, so they override the recipe), NPROC (local
 # ranks, default the recipe's GPUS_PER_NODE), PYTHON (default .venv/bin/python if present, else
@@ -26,6 +27,9 @@
 # (scancel, scontrol requeue, the time limit) makes every rank save a checkpoint at the end of
 # its iteration; USR1, sent --signal's lead time before the time limit, does the same and then
 # requeues the job, which resumes from that checkpoint. A requeued job appends to its log.
+# A NaN/Inf loss that megatron reproduces (exit 16) holds the job, printing the command that
+# reruns it on another node; reproduced there too (exit 17), the job requeues itself and skips
+# that batch ($RUN_DIR/rejected_results.txt, megatron's --result-rejected-tracker-filename).
 #
 #SBATCH --job-name=moe-pretrain
 #SBATCH --nodes=1
@@ -131,6 +135,10 @@ CKPT_DIR=${CKPT_DIR:-$RUN_DIR/ckpt}
 export MEGATRON_ARGUMENTS_FILE=${MEGATRON_ARGUMENTS_FILE:-$RUN_DIR/megatron_arguments.txt}
 # --exit-signal-handler: on SIGTERM every rank finishes its iteration, saves and exits 0.
 CKPT_ARGS=(--save "$CKPT_DIR" --load "$CKPT_DIR" --exit-signal-handler)
+# megatron's rerun state machine checks every loss and gradient; each result it rejects is
+# appended here, and a start skips an iteration one rank failed twice. One file for every
+# attempt of the run: without it, a batch that fails wherever it runs is never got past.
+RERUN_ARGS=(--result-rejected-tracker-filename "$RUN_DIR/rejected_results.txt")
 LOG_ARGS=(--log-interval "${LOG_INTERVAL:-$RECIPE_LOG_INTERVAL}" --log-throughput)
 if [[ -n "${WANDB_PROJECT:-}" ]]; then
   LOG_ARGS+=(--wandb-project "$WANDB_PROJECT" --wandb-exp-name "${WANDB_EXP_NAME:-$RECIPE-${SLURM_JOB_ID:-local}}")
@@ -138,7 +146,8 @@ fi
 read -ra extra <<< "${EXTRA_ARGS:-}"
 
 ARGS=("${MODEL_ARGS[@]}" "${IMPL_ARGS[@]}" "${LAYOUT_ARGS[@]}" "${TRAIN_ARGS[@]}"
-      "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${LOG_ARGS[@]}" "${extra[@]}" "${CLI_ARGS[@]}")
+      "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${RERUN_ARGS[@]}" "${LOG_ARGS[@]}" "${extra[@]}"
+      "${CLI_ARGS[@]}")
 
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -z "${CONTAINER_IMAGE:-}" && -x "$ROOT/.venv/bin/python" ]]; then
@@ -182,6 +191,14 @@ exit_if_finished() {
        "to EXTRA_ARGS, so that megatron takes the learning-rate schedule from the new flags" \
        "instead of refusing the checkpoint's; for a new run, set another CKPT_DIR."
   exit 0
+}
+
+# The tracker of rejected results (RERUN_ARGS, or the one EXTRA_ARGS names), made before the
+# ranks start: every rank opens it and fails when its folder is missing, and megatron's first
+# start logs an error when the file is not there yet.
+TRACKER=$(flag_value --result-rejected-tracker-filename)
+make_tracker() {
+  [[ -z $TRACKER ]] || { mkdir -p "$(dirname "$TRACKER")" && touch "$TRACKER"; }
 }
 
 WORLD=$((NODES * GPUS_PER_NODE))
@@ -233,6 +250,7 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
     die "recipe $RECIPE assumes $NODES nodes: submit it with '$SUBMIT' (or DRY_RUN=1 to check it here)"
   fi
   exit_if_finished
+  make_tracker
   NPROC=${NPROC:-$GPUS_PER_NODE}
   LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC")
   echo "[train.sh] recipe $RECIPE on this machine (no Slurm): torchrun with $NPROC ranks"
@@ -280,7 +298,7 @@ if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
   # job writes elsewhere (RUN_DIR, CKPT_DIR) is mounted too: written inside the container, it
   # would be lost with it.
   mounts="$ROOT:$ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
-  for written in "$RUN_DIR" "$CKPT_DIR"; do
+  for written in "$RUN_DIR" "$CKPT_DIR" ${TRACKER:+"$(dirname "$TRACKER")"}; do
     written=$(realpath -m "$written")
     mounted "$written" "$mounts" && continue
     mkdir -p "$written"  # the container runtime mounts only what exists
@@ -318,6 +336,69 @@ echo "[train.sh] recipe $RECIPE, job $SLURM_JOB_ID attempt $((${SLURM_RESTART_CO
      "MASTER_PORT=$MASTER_PORT"
 echo "[train.sh] command: $(show "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}")"
 
+# megatron's rerun state machine stops every rank after a NaN/Inf result it rejected: with 16
+# where a rerun reproduced it (a checkpoint is saved; the step must be rerun on another node), 17
+# where it was reproduced on a second node (or not at all). srun's status does not carry that:
+# --kill-on-bad-exit ends the ranks still exiting after the first, and srun then returns 143.
+# The tracker lines this attempt appended do: "status iteration node" of the last one that
+# reproduced a NaN/Inf, or nothing.
+reproduced_failure() {
+  awk -v after="$TRACKER_LINES_BEFORE" '
+    NR > after && / message=.found (NaN|Inf) / &&
+    match($0, / status=RerunValidationStatus\.(FIRST|SECOND)_RERUN_REPRODUCIBLE /) {
+      status = substr($0, RSTART + 30, RLENGTH - 31)
+      match($0, / iteration=[0-9]+/); it = substr($0, RSTART + 11, RLENGTH - 11)
+      match($0, / node=[^ ]+/); node = substr($0, RSTART + 6, RLENGTH - 6)
+      last = status " " it " " node
+    }
+    END { if (last != "") print last }' "$TRACKER"
+}
+slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among the job's nodes
+  local n
+  for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+    if [[ $n == "$1" || $n == "${1%%.*}" ]] ||
+       scontrol show node -o "$n" 2>/dev/null | grep -q " NodeHostName=$1 "; then
+      echo "$n"
+      return
+    fi
+  done
+  echo "$1"
+}
+after_result_validation() {  # on a stop of the ranks; returns when the job is not held or requeued
+  local found verdict iteration node
+  [[ -n $TRACKER && -f $TRACKER ]] || return 0
+  found=$(reproduced_failure)
+  [[ -n $found ]] || return 0
+  read -r verdict iteration node <<< "$found"
+  node=$(slurm_node_of "$node")
+  # status: the job's exit code, megatron's again
+  if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]]; then
+    status=16
+    echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
+         "(exit 16): to tell a faulty GPU from a bad batch it must run again on another node," \
+         "from the checkpoint just saved. The job is held; rerun it elsewhere with: scontrol" \
+         "update jobid=$SLURM_JOB_ID ExcNodeList=$node && scontrol release $SLURM_JOB_ID"
+    scontrol requeuehold "$SLURM_JOB_ID" ||
+      echo "train.sh: scontrol requeuehold $SLURM_JOB_ID failed: resubmit the job with sbatch" \
+           "--exclude=$node; it reruns iteration $iteration from $(flag_value --load)" >&2
+    return 0
+  fi
+  status=17
+  if ! awk -f examples/moe/rejected_results.awk "$TRACKER" | grep -qx "$iteration"; then
+    echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too, but" \
+         "megatron does not skip it (several ranks of a job failed it, see $TRACKER): the job" \
+         "stops (exit 17)"
+    return 0
+  fi
+  echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too: its batch," \
+       "not a GPU (exit 17). Requeueing job $SLURM_JOB_ID: the next attempt skips iteration" \
+       "$iteration ($TRACKER) and trains on from $(flag_value --load)"
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    exit 0
+  fi
+  echo "train.sh: scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it skips iteration" \
+       "$iteration" >&2
+}
 # Slurm sends SIGTERM to every task on scancel, scontrol requeue and at the time limit: the
 # ranks save (--exit-signal-handler) within the cluster's KillWait. USR1 comes --signal's lead
 # time before the time limit (header: 300 s): the ranks are told to save and stop now, and the
@@ -337,6 +418,9 @@ on_term() {
        "after its current iteration"
 }
 trap on_term TERM
+make_tracker
+TRACKER_LINES_BEFORE=0
+[[ -z $TRACKER ]] || TRACKER_LINES_BEFORE=$(wc -l < "$TRACKER")
 "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}" &
 srun_pid=$!
 while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done
@@ -349,4 +433,5 @@ if (( REQUEUE )) && ! run_finished; then
     die "scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it resumes from $(flag_value --load)"
   exit 0
 fi
+(( status == 0 )) || after_result_validation
 exit "$status"

@@ -424,7 +424,8 @@ def test_fsdp_twin_trains_and_saves(twin, tmp_path):
     ranks that imported megatron already: torchrun would add ~9 s of imports per rank)."""
     from _launch import launch
 
-    flags, world = resolved(twin, CKPT_DIR=str(tmp_path / "ckpt"), TRAIN_ITERS="2")
+    flags, world = resolved(twin, CKPT_DIR=str(tmp_path / "ckpt"), RUN_DIR=str(tmp_path),
+                           TRAIN_ITERS="2")
     run = launch(world, flags, timeout=300)
     assert run.returncode == 0, run.log[-6000:]
     assert "Traceback" not in run.log
@@ -531,3 +532,34 @@ def test_recipe_matches_the_published_config_of_a_family_import_hf_refuses(recip
     differ = {key: (config[key], read(args)) for key, read in _PUBLISHED_KEYS[published].items()
               if config[key] != read(args)}
     assert not differ, f"{recipe} (published, recipe): {differ}"
+
+
+def test_rejected_results_awk_skips_what_megatrons_reading_skips(tmp_path):
+    """train.sh requeues a job megatron stopped on result validation only where the next start
+    skips the failed iteration (else the requeue would rerun the same batch forever); its awk
+    reading of the tracker is judged against megatron's own, `RerunStateMachine.
+    get_skipped_iterations_from_tracker_file`, on random trackers in the lines megatron writes."""
+    import random
+
+    from megatron.core.rerun_state_machine import RerunStateMachine, RerunValidationStatus
+
+    statuses = list(RerunValidationStatus)
+    rng = random.Random(7)
+    skipping = 0
+    for case in range(150):
+        lines = []
+        for _ in range(rng.randint(0, 8)):
+            status = rng.choice(statuses)
+            lines.append(f"ts=2026-12-05 06:29:07.{rng.randint(0, 999999):06d} "
+                         f"node=node-{rng.randint(1, 3)}.cluster device={rng.randint(0, 7)} "
+                         f"jobID={rng.choice(['812', '813', 'N/A'])} rank={rng.randint(0, 2)} "
+                         f"iteration={rng.randint(1, 3)} status={status} result=nan "
+                         f"message='found NaN in local grad norm for bucket #0 in backward pass'")
+        tracker = tmp_path / f"tracker-{case}.txt"
+        tracker.write_text("".join(line + "\n" for line in lines))
+        expected = RerunStateMachine.get_skipped_iterations_from_tracker_file(str(tracker))
+        awk = subprocess.run(["awk", "-f", str(ROOT / "examples/moe/rejected_results.awk"),
+                              str(tracker)], capture_output=True, text=True, check=True)
+        assert [int(i) for i in awk.stdout.split()] == expected, tracker.read_text()
+        skipping += bool(expected)
+    assert 20 < skipping < 130  # both answers came up often

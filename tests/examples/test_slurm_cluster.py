@@ -424,22 +424,6 @@ def test_dry_run_in_a_job_is_sized_from_the_job(cluster):
     assert bigger.returncode == 2 and "has 6 task(s) on 2 node(s)" in bigger.log, bigger.log
 
 
-def test_requeue_mid_run_saves_and_resumes_appending_to_the_log(cluster):
-    ckpt = cluster.root / "ckpt-requeue"
-    job = cluster.submit("requeue", "--ntasks-per-node=4", CKPT_DIR=str(ckpt),
-                         TRAIN_ITERS="10", SAVE_INTERVAL="100")
-    job.wait_log(r"iteration\s+3/", timeout=240)
-    assert cluster.run("scontrol", "requeue", job.id).returncode == 0
-    job.release()
-    assert job.wait_done(timeout=600)["JobState"] == "COMPLETED", job.log[-6000:]
-    first, second = attempts(job.log)
-    saved = int(re.search(r"successfully saved checkpoint from iteration\s+(\d+)", first).group(1))
-    assert 3 <= saved < 10 and "SIGTERM" in first
-    assert f"job {job.id} attempt 2:" in second
-    assert max(losses(first)) == saved and min(losses(second)) == saved + 1, job.log[-6000:]
-    assert saved_iteration(ckpt) == 10
-
-
 def test_time_limit_saves_first_and_the_requeued_job_continues(cluster):
     ckpt = cluster.root / "ckpt-time-limit"
     job = cluster.submit("time-limit", "--ntasks-per-node=4", "--time=30", "--signal=B:USR1@170",
@@ -462,6 +446,57 @@ def test_time_limit_saves_first_and_the_requeued_job_continues(cluster):
     job.wait_log(rf"iteration\s+{saved + 1}/", timeout=420)
     second = attempts(job.log)[1]
     assert min(losses(second)) == saved + 1
-    assert cluster.run("scancel", job.id).returncode == 0  # SIGTERM: the ranks save again
-    job.wait_done(timeout=300)
+    # `scontrol requeue` mid-run: SIGTERM, the ranks save again; the requeued job is cancelled.
+    assert cluster.run("scontrol", "requeue", job.id).returncode == 0
+    job.wait_state("PENDING", timeout=300)
+    assert "SIGTERM (scancel, requeue or time limit)" in attempts(job.log)[1], job.log[-4000:]
     assert saved_iteration(ckpt) > saved
+    assert cluster.run("scancel", job.id).returncode == 0
+
+
+def test_a_batch_that_fails_on_two_nodes_is_skipped_and_the_job_trains_on(cluster, node_shim):
+    """A NaN loss at iteration 2 in one data-parallel replica's batch (tests/_bad_loss_entry.py,
+    rank 1), through train.sh's default --result-rejected-tracker-filename. Attempt 1 reruns it
+    in place, megatron saves and exits 16, train.sh holds the job naming the node to exclude;
+    released elsewhere, attempt 2 reruns it from the checkpoint and exits 17, and train.sh,
+    finding that megatron's reading of the tracker skips iteration 2, requeues; attempt 3 skips
+    it and finishes. Megatron reads the node from uname: each rank runs under the shim with its
+    Slurm node's name (both slurmd share this host)."""
+    ckpt, run_dir = cluster.root / "ckpt-bad-batch", cluster.root / "runs" / "bad-batch"
+    wrapper = cluster.root / "python-bad-batch"
+    wrapper.write_text(f"""#!/bin/bash
+shift  # pretrain_moe.py: tests/_bad_loss_entry.py runs it with the NaN
+export LD_PRELOAD={node_shim} NODE_SHIM_HOSTNAME=$SLURMD_NODENAME PYTHONPATH={ROOT}
+exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
+""")
+    wrapper.chmod(0o755)
+    # MASTER_ADDR: the second node's name does not resolve (Cluster.submit)
+    job = cluster.submit("bad-batch", "--ntasks-per-node=4", CKPT_DIR=str(ckpt),
+                         RUN_DIR=str(run_dir), PYTHON=str(wrapper), MASTER_ADDR="127.0.0.1",
+                         BAD_LOSS="nan", BAD_LOSS_AT="2", BAD_LOSS_RANK="1",
+                         TRAIN_ITERS="3", SAVE_INTERVAL="100")
+    first_node, other_node = cluster.nodes
+    job.wait_log(r"^\[train\.sh\] iteration 2 gave a NaN/Inf again", timeout=300)
+    held = job.wait_state("PENDING", timeout=120)
+    log = job.log
+    assert (f"[train.sh] iteration 2 gave a NaN/Inf again when megatron reran it on "
+            f"{first_node} (exit 16)") in log, log[-6000:]
+    hold = (f"scontrol update jobid={job.id} ExcNodeList={first_node} && "
+            f"scontrol release {job.id}")
+    assert hold in log and held["Reason"] == "job_requeued_in_held_state", (held, log[-3000:])
+    assert saved_iteration(ckpt) == 1  # megatron's checkpoint to rerun iteration 2 from
+    # The user's command from the log; then the job starts without Slurm's 2-minute wait.
+    assert cluster.run("bash", "-c", hold).returncode == 0
+    job.release()
+    job.wait_log(r"^\[train\.sh\] iteration 2 gave a NaN/Inf on a second node", timeout=300)
+    job.release()
+    assert job.wait_done(timeout=300)["JobState"] == "COMPLETED", job.log[-6000:]
+    first, second, third = attempts(job.log)
+    assert "First rerun: unexpected result is reproducible" in first
+    assert (f"[train.sh] iteration 2 gave a NaN/Inf on a second node ({other_node}) too: its "
+            f"batch, not a GPU (exit 17). Requeueing job {job.id}") in second, second[-3000:]
+    assert "Second rerun: unexpected result is reproducible on a different GPU" in second
+    assert "Will skip these iterations from tracker file: [2]" in third, third[-4000:]
+    assert sorted(losses(third)) == [3] and saved_iteration(ckpt) == 3, third[-4000:]
+    tracker = (run_dir / "rejected_results.txt").read_text()
+    assert [re.search(r" rank=(\d+) ", line).group(1) for line in tracker.splitlines()] == ["1"] * 3

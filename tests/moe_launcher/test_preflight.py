@@ -96,6 +96,10 @@ CASES = {
     "tokenizer-model-is-a-hub-id": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
                                         "--tokenizer-model", "Qwen/Qwen3-30B-A3B"],
                                     "--tokenizer-model"),
+    # megatron's rerun state machine opens it on every rank and raises there.
+    "result-rejected-tracker-in-a-missing-folder": (
+        1, ["--result-rejected-tracker-filename", "/no-such-folder/rejected_results.txt"],
+        "--result-rejected-tracker-filename"),
     "tokenizer-model-folder-without-a-tokenizer": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
                                                        "--tokenizer-model", str(REPO / "examples")],
                                                    "--tokenizer-model"),
@@ -196,6 +200,16 @@ def test_mtp_per_token_loss_passes_where_every_micro_batch_has_the_same_counts(m
     assert judge(1, [*BASE, "--mtp-num-layers", "1", "--calculate-per-token-loss"],
                  monkeypatch) is None
     assert judge(1, [*BASE, "--mtp-num-layers", "1", "--eod-mask-loss"], monkeypatch) is None
+
+
+def test_without_the_check_megatron_raises_on_a_tracker_in_a_missing_folder(tmp_path):
+    """What the result-rejected-tracker check spares every rank: megatron-core's own rerun state
+    machine, made as megatron's initialisation makes it, raises on such a file."""
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    with pytest.raises(RuntimeError, match="cannot be appended to"):
+        RerunStateMachine(result_rejected_tracker_filename=str(tmp_path / "none" / "r.txt"))
+    assert not (tmp_path / "none").exists()
 
 
 def test_every_rank_of_a_world_refuses_and_rank_0_explains(tmp_path):
