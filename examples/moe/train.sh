@@ -377,7 +377,9 @@ after_result_validation() {  # on a stop of the ranks; returns when the job is n
     echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
          "(exit 16): to tell a faulty GPU from a bad batch it must run again on another node," \
          "from the checkpoint just saved. The job is held; rerun it elsewhere with: scontrol" \
-         "update jobid=$SLURM_JOB_ID ExcNodeList=$node && scontrol release $SLURM_JOB_ID"
+         "update jobid=$SLURM_JOB_ID ExcNodeList=$node && scontrol release $SLURM_JOB_ID (with" \
+         "no other node, where megatron would exit 16 again: scancel $SLURM_JOB_ID and submit" \
+         "again with EXTRA_ARGS='--iterations-to-skip $iteration', which skips the batch)"
     scontrol requeuehold "$SLURM_JOB_ID" ||
       echo "train.sh: scontrol requeuehold $SLURM_JOB_ID failed: resubmit the job with sbatch" \
            "--exclude=$node; it reruns iteration $iteration from $(flag_value --load)" >&2

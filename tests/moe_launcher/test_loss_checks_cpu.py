@@ -150,19 +150,6 @@ def _nan_job(tmp_path, name: str, save: str, env: dict | None = None, flags: tup
                   env={"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), **(env or {})})
 
 
-def _failures_found(tmp_path, node_shim) -> list[str]:
-    """Jobs 1 and 2, job 2 on another node (tests/native/other_node_shim.c: megatron reads the
-    node's name from uname); the tracker file's lines."""
-    first = _nan_job(tmp_path, "first", "ckpt")
-    assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
-    assert "First rerun: unexpected result is reproducible" in first.log, first.log[-3000:]
-    second = _nan_job(tmp_path, "second", "ckpt",
-                      env={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
-    assert second.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, second.log[-3000:]
-    assert "Second rerun: unexpected result is reproducible on a different GPU" in second.log
-    return (tmp_path / "rejected.txt").read_text().splitlines()
-
-
 def _lines(lines: list[str]) -> list[tuple[int, str, int]]:
     """(rank, status, iteration named) of each tracker line, sorted."""
     return sorted((int(re.search(r" rank=(\d+) ", line).group(1)),
@@ -180,8 +167,25 @@ def test_a_batch_that_fails_twice_is_skipped_and_training_goes_on(tmp_path, node
     trains iteration 4 from the checkpoint. With skipped-iteration-ends-rerun left out
     (megatron-core 0.19.2), job 3 skips iteration 3 as asked, but megatron's skipped step leaves
     the checkpoint's rerun state machine rerunning, and the next step runs no forward or
-    backward and exits 17: the job never trains on."""
-    lines = _failures_found(tmp_path, node_shim)
+    backward and exits 17: the job never trains on.
+
+    Job 2 runs on another node (tests/native/other_node_shim.c: megatron reads the node's name
+    from uname). On the same node megatron exits 16 again ("Got rescheduled on the same GPU"), so
+    a run on one machine skips the batch by its number (README): a job between 1 and 2 with
+    `--iterations-to-skip 3`, megatron's flag, trains iteration 4 from job 1's checkpoint."""
+    first = _nan_job(tmp_path, "first", "ckpt")
+    assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
+    assert "First rerun: unexpected result is reproducible" in first.log, first.log[-3000:]
+    by_number = _nan_job(tmp_path, "by-number", "ckpt-by-number",
+                         flags=("--iterations-to-skip", str(NAN_AT)))
+    assert "Will skip these iterations from tracker file: []" in by_number.log
+    assert by_number.returncode == 0, by_number.log[-3000:]
+    assert sorted(tensorboard_scalars(tmp_path / "by-number", "lm loss")) == [NAN_ITERS]
+    second = _nan_job(tmp_path, "second", "ckpt",
+                      env={"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
+    assert second.returncode == EXIT_CODE_FAILED_ON_RESULT_VALIDATION, second.log[-3000:]
+    assert "Second rerun: unexpected result is reproducible on a different GPU" in second.log
+    lines = (tmp_path / "rejected.txt").read_text().splitlines()
     assert _lines(lines) == [(0, status, NAN_AT) for status in sorted(STATUSES)], lines
     third = _nan_job(tmp_path, "third", "ckpt-third")
     assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in third.log
