@@ -7,6 +7,9 @@
 # megatron stopped on result validation only when its iteration is among them: otherwise the next
 # attempt would rerun the same batch and stop the same way, again and again.
 #   awk -f examples/moe/rejected_results.awk FILE
+# With -v verdict_after=N it prints instead what megatron decided in the lines after line N (one
+# attempt's): "STATUS ITERATION NODE" of the last that reproduced a NaN/Inf (STATUS
+# FIRST_RERUN_REPRODUCIBLE: it exited 16; SECOND_RERUN_REPRODUCIBLE: 17), or nothing.
 function field(name,    found) {
   if (!match($0, " " name "=[^ ]*")) return ""
   found = substr($0, RSTART + length(name) + 2, RLENGTH - length(name) - 2)
@@ -16,6 +19,12 @@ function field(name,    found) {
   status = field("status")
   sub(/.*\./, "", status)
   status = toupper(status)
+  if (verdict_after != "") {
+    if (NR > verdict_after && / message=.found (NaN|Inf) / &&
+        (status == "FIRST_RERUN_REPRODUCIBLE" || status == "SECOND_RERUN_REPRODUCIBLE"))
+      verdict = status " " field("iteration") " " field("node")
+    next
+  }
   if (status != "RERUN_DISABLED" && status != "FIRST_RERUN_REPRODUCIBLE" &&
       status != "SECOND_RERUN_REPRODUCIBLE") next
   job = field("jobID"); rank = field("rank"); iteration = field("iteration")
@@ -28,6 +37,10 @@ function field(name,    found) {
   }
 }
 END {
+  if (verdict_after != "") {
+    if (verdict != "") print verdict
+    exit
+  }
   n = 0
   for (iteration in twice)
     if (!(iteration in several_ranks)) skipped[++n] = iteration + 0

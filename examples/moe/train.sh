@@ -340,19 +340,7 @@ echo "[train.sh] command: $(show "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARG
 # where a rerun reproduced it (a checkpoint is saved; the step must be rerun on another node), 17
 # where it was reproduced on a second node (or not at all). srun's status does not carry that:
 # --kill-on-bad-exit ends the ranks still exiting after the first, and srun then returns 143.
-# The tracker lines this attempt appended do: "status iteration node" of the last one that
-# reproduced a NaN/Inf, or nothing.
-reproduced_failure() {
-  awk -v after="$TRACKER_LINES_BEFORE" '
-    NR > after && / message=.found (NaN|Inf) / &&
-    match($0, / status=RerunValidationStatus\.(FIRST|SECOND)_RERUN_REPRODUCIBLE /) {
-      status = substr($0, RSTART + 30, RLENGTH - 31)
-      match($0, / iteration=[0-9]+/); it = substr($0, RSTART + 11, RLENGTH - 11)
-      match($0, / node=[^ ]+/); node = substr($0, RSTART + 6, RLENGTH - 6)
-      last = status " " it " " node
-    }
-    END { if (last != "") print last }' "$TRACKER"
-}
+# The tracker lines this attempt appended do (rejected_results.awk's verdict).
 slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among the job's nodes
   local n
   for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
@@ -367,7 +355,8 @@ slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among th
 after_result_validation() {  # on a stop of the ranks; returns when the job is not held or requeued
   local found verdict iteration node
   [[ -n $TRACKER && -f $TRACKER ]] || return 0
-  found=$(reproduced_failure)
+  found=$(awk -v verdict_after="$TRACKER_LINES_BEFORE" -f examples/moe/rejected_results.awk \
+          "$TRACKER")
   [[ -n $found ]] || return 0
   read -r verdict iteration node <<< "$found"
   node=$(slurm_node_of "$node")
