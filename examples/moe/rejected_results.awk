@@ -10,10 +10,9 @@
 # With -v verdict_after=N it prints instead what megatron decided in the lines after line N (one
 # attempt's): "STATUS ITERATION NODE" of the last that reproduced a NaN/Inf (STATUS
 # FIRST_RERUN_REPRODUCIBLE: it exited 16; SECOND_RERUN_REPRODUCIBLE: 17), or nothing.
-function field(name,    found) {
+function field(name) {  # the value of " name=value" on this line, "" if none
   if (!match($0, " " name "=[^ ]*")) return ""
-  found = substr($0, RSTART + length(name) + 2, RLENGTH - length(name) - 2)
-  return found
+  return substr($0, RSTART + length(name) + 2, RLENGTH - length(name) - 2)
 }
 {
   status = field("status")
