@@ -63,7 +63,7 @@ def _environment(env: dict | None) -> dict:
 # Where a variable starts so, torch, megatron or the CPU backend may read it on import: a launch
 # that sets it otherwise than the rank server was started with gets a launcher of its own.
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "NVTE_", "CUDA", "PYTHON",
-                  "MEGATRON_PATCHES_STRICT", "LD_")
+                  "MEGATRON_PATCHES_STRICT", "LD_", "HF_", "TRANSFORMERS", "TOKENIZERS")
 
 
 class _RankServer:

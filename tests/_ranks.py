@@ -7,7 +7,10 @@ but forks the ranks from a process that has already imported torch and megatron.
 Every rank is still its own process with its own gloo process groups and the environment torchrun
 gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*), and runs the script as
 __main__, exactly as `python SCRIPT ARGS` would in a torchrun rank. What the fork saves is the
-import of torch and megatron: ~9 s of CPU per rank on a CI machine, most of the suite's time.
+import of torch and megatron: ~9 s of CPU per rank on a CI machine, most of the suite's time. Two
+more costs every launch would pay per rank are paid once too: transformers (megatron's tokenizer
+builder imports it, even for the NullTokenizer) and the spawn of megatron's write-results manager
+at the first torch_dist save (see _start_write_results_queue).
 
 Where there is no CUDA the CPU backend is activated before megatron is imported, as
 pretrain_moe.py and every test worker do first (activate() is idempotent; it must precede
@@ -44,7 +47,7 @@ GRACE_S = 10.0
 TERM_S = 10.0
 PRELOAD = ("torch._dynamo", "megatron.core.models.gpt",
            "megatron.core.models.hybrid.hybrid_model", "megatron.core.dist_checkpointing",
-           "megatron.training.training")
+           "megatron.training.training", "megatron.core.tokenizers.text")
 
 
 def _preload() -> None:
@@ -64,6 +67,24 @@ def _preload() -> None:
     # rank's exit does not either. A 4-rank launch of the tiny model: 9.4 s -> 5.2 s from the
     # ranks' start to their exit, 3.9 s -> 1.4 s of that their exit (2 cores).
     gc.freeze()
+
+
+def _start_write_results_queue() -> None:
+    """megatron's torch_dist writer (FileSystemWriterAsync) sends each save's results through a
+    multiprocessing Manager queue that it starts at a process's first save with 'spawn': a new
+    interpreter that imports the rank's __main__ (pretrain_moe.py: torch, the launcher) before
+    it serves, 3-6 s of every launch that saves, with the ranks' spawns competing for 2 cores.
+    A rank forked here starts that queue's manager by fork instead, before it runs anything (it
+    has one thread then); megatron then uses it as its own. What goes through it is the same;
+    launches under torchrun keep megatron's spawn."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager.start(_die_with_parent)  # a rank killed outright takes it along
+    filesystem_async._results_queue = manager.Queue()  # the queue keeps its manager
 
 
 def _die_with_parent() -> None:
@@ -102,6 +123,7 @@ def _fork_ranks(nproc: int) -> tuple[int | None, dict[int, int], list[int]]:
             with os.fdopen(read_end) as pipe:
                 port, run_id = pipe.read().split()
             os.environ.update(_rank_environment(rank, nproc, int(port), run_id))
+            _start_write_results_queue()
             return rank, {}, []
         os.close(read_end)
         pids[pid] = rank
