@@ -30,6 +30,7 @@
 # A NaN/Inf loss that megatron reproduces (exit 16) holds the job, printing the command that
 # reruns it on another node; reproduced there too (exit 17), the job requeues itself and skips
 # that batch ($RUN_DIR/rejected_results.txt, megatron's --result-rejected-tracker-filename).
+# Without Slurm, exit 16 says which --iterations-to-skip to add to EXTRA_ARGS to skip the batch.
 #
 #SBATCH --job-name=moe-pretrain
 #SBATCH --nodes=1
@@ -200,6 +201,52 @@ TRACKER=$(flag_value --result-rejected-tracker-filename)
 make_tracker() {
   [[ -z $TRACKER ]] || { mkdir -p "$(dirname "$TRACKER")" && touch "$TRACKER"; }
 }
+tracker_lines() { if [[ -n $TRACKER ]]; then wc -l < "$TRACKER"; else echo 0; fi; }
+
+# megatron's rerun state machine stops every rank after a NaN/Inf loss it rejected: with 16 where
+# a rerun in place reproduced it (it saved a checkpoint; the step must be rerun on another GPU),
+# 17 where it was reproduced on a second node. Neither torchrun nor srun passes that code on.
+# rejected_verdict reads it from the tracker lines this attempt appended (rejected_results.awk):
+# sets VERDICT, ITERATION and NODE (megatron's host name), and fails where there is none.
+rejected_verdict() {
+  [[ -n $TRACKER && -f $TRACKER ]] || return 1
+  read -r VERDICT ITERATION NODE < <(awk -v verdict_after="$TRACKER_LINES_BEFORE" \
+                                       -f examples/moe/rejected_results.awk "$TRACKER") || true
+  [[ -n ${VERDICT:-} ]]
+}
+# True where megatron's reading of the tracker at its next start skips iteration $1.
+megatron_skips() { awk -f examples/moe/rejected_results.awk "$TRACKER" | grep -qx "$1"; }
+# Waits for background job $1 through the signals this shell traps (each ends a wait); sets
+# status to its exit status.
+wait_for_exit() {
+  while kill -0 "$1" 2>/dev/null; do wait "$1" || true; done
+  status=0
+  wait "$1" || status=$?
+}
+
+# On one machine there is no other node to rerun a batch on: say how to get past it; the exit
+# status becomes megatron's.
+after_local_result_validation() {
+  rejected_verdict || return 0
+  if [[ $VERDICT == FIRST_RERUN_REPRODUCIBLE ]]; then
+    status=16
+    echo "[train.sh] iteration $ITERATION gave a NaN/Inf again when megatron reran it (exit 16);" \
+         "megatron saved a checkpoint to rerun it on another GPU, and on this one it would exit 16" \
+         "again. To skip that batch, run again with --iterations-to-skip $ITERATION added to" \
+         "EXTRA_ARGS: it resumes from $(flag_value --load) and trains on"
+    return 0
+  fi
+  status=17
+  if megatron_skips "$ITERATION"; then
+    echo "[train.sh] iteration $ITERATION gave a NaN/Inf on a second node ($NODE) too: its batch," \
+         "not a GPU (exit 17). Run again: the next start skips iteration $ITERATION ($TRACKER)" \
+         "and trains on from $(flag_value --load)"
+  else
+    echo "[train.sh] iteration $ITERATION gave a NaN/Inf on a second node ($NODE) too (exit 17)," \
+         "and megatron does not skip it (several ranks of a job failed it, see $TRACKER): run" \
+         "again with --iterations-to-skip $ITERATION added to EXTRA_ARGS to skip it"
+  fi
+}
 
 WORLD=$((NODES * GPUS_PER_NODE))
 SUBMIT="RECIPE=$RECIPE sbatch --nodes=$NODES --ntasks-per-node=$GPUS_PER_NODE examples/moe/train.sh"
@@ -255,7 +302,20 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
   LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$NPROC")
   echo "[train.sh] recipe $RECIPE on this machine (no Slurm): torchrun with $NPROC ranks"
   echo "[train.sh] command: $(show "${LAUNCH[@]}" pretrain_moe.py "${ARGS[@]}")"
-  exec "${LAUNCH[@]}" pretrain_moe.py "${ARGS[@]}"  # torch.distributed.run takes the script itself
+  # Not exec'd: torchrun exits 1 whatever its ranks' exit codes were, and megatron's verdict on a
+  # NaN/Inf loss is read afterwards from the tracker. torchrun runs in a process group of its own
+  # (set -m; its ranks have sessions of their own) and gets what this shell gets, once, as if
+  # exec'd: Ctrl-C and SIGTERM; it stops the ranks, which save (--exit-signal-handler).
+  TRACKER_LINES_BEFORE=$(tracker_lines)
+  set -m
+  "${LAUNCH[@]}" pretrain_moe.py "${ARGS[@]}" &  # torch.distributed.run takes the script itself
+  torchrun_pid=$!
+  set +m
+  trap 'kill -INT "$torchrun_pid" 2>/dev/null || true' INT
+  trap 'kill -TERM "$torchrun_pid" 2>/dev/null || true' TERM
+  wait_for_exit "$torchrun_pid"
+  (( status == 0 )) || after_local_result_validation
+  exit "$status"
 fi
 
 # ---- Under Slurm: one srun task per rank ----------------------------------------------------
@@ -336,11 +396,8 @@ echo "[train.sh] recipe $RECIPE, job $SLURM_JOB_ID attempt $((${SLURM_RESTART_CO
      "MASTER_PORT=$MASTER_PORT"
 echo "[train.sh] command: $(show "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}")"
 
-# megatron's rerun state machine stops every rank after a NaN/Inf result it rejected: with 16
-# where a rerun reproduced it (a checkpoint is saved; the step must be rerun on another node), 17
-# where it was reproduced on a second node (or not at all). srun's status does not carry that:
-# --kill-on-bad-exit ends the ranks still exiting after the first, and srun then returns 143.
-# The tracker lines this attempt appended do (rejected_results.awk's verdict).
+# srun's status does not carry megatron's 16/17 either: --kill-on-bad-exit ends the ranks still
+# exiting after the first, and srun then returns 143 (rejected_verdict reads it).
 slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among the job's nodes
   local n
   for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
@@ -353,13 +410,9 @@ slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among th
   echo "$1"
 }
 after_result_validation() {  # on a stop of the ranks; returns when the job is not held or requeued
-  local found verdict iteration node
-  [[ -n $TRACKER && -f $TRACKER ]] || return 0
-  found=$(awk -v verdict_after="$TRACKER_LINES_BEFORE" -f examples/moe/rejected_results.awk \
-          "$TRACKER")
-  [[ -n $found ]] || return 0
-  read -r verdict iteration node <<< "$found"
-  node=$(slurm_node_of "$node")
+  local verdict iteration node
+  rejected_verdict || return 0
+  verdict=$VERDICT iteration=$ITERATION node=$(slurm_node_of "$NODE")
   # status: the job's exit code, megatron's again
   if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]]; then
     status=16
@@ -375,7 +428,7 @@ after_result_validation() {  # on a stop of the ranks; returns when the job is n
     return 0
   fi
   status=17
-  if ! awk -f examples/moe/rejected_results.awk "$TRACKER" | grep -qx "$iteration"; then
+  if ! megatron_skips "$iteration"; then
     echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too, but" \
          "megatron does not skip it (several ranks of a job failed it, see $TRACKER): the job" \
          "stops (exit 17)"
@@ -410,13 +463,9 @@ on_term() {
 }
 trap on_term TERM
 make_tracker
-TRACKER_LINES_BEFORE=0
-[[ -z $TRACKER ]] || TRACKER_LINES_BEFORE=$(wc -l < "$TRACKER")
+TRACKER_LINES_BEFORE=$(tracker_lines)
 "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARGS[@]}" &
-srun_pid=$!
-while kill -0 "$srun_pid" 2>/dev/null; do wait "$srun_pid" || true; done
-status=0
-wait "$srun_pid" || status=$?
+wait_for_exit $!
 if (( REQUEUE )) && ! run_finished; then
   echo "[train.sh] requeueing job $SLURM_JOB_ID (ranks exited $status): the next attempt" \
        "resumes from $(flag_value --load)"

@@ -12,11 +12,15 @@ import io
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
+import psutil
 import pytest
 
 from _required import require
@@ -414,6 +418,74 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
     assert len(throughputs) == 20, out.stdout[-4000:]
     # Three significant digits: trailing zeros count ("0.00200"), leading ones do not.
     assert all(len(t.replace(".", "").lstrip("0")) >= 3 for t in throughputs), throughputs
+
+
+@pytest.mark.slow
+def test_local_run_stopped_by_a_nan_batch_says_how_to_skip_it(tmp_path):
+    """A NaN loss at iteration 2 in one data-parallel replica's batch (tests/_bad_loss_entry.py,
+    rank 1) of a local run: megatron reruns it in place, saves a checkpoint and exits 16, which
+    torchrun turns into 1. train.sh exits 16 and says how to skip the batch on one machine; the
+    run it names (EXTRA_ARGS as printed) skips iteration 2 and trains to the end."""
+    python = tmp_path / "python-bad-batch"  # runs tests/_bad_loss_entry.py for pretrain_moe.py
+    python.write_text(f"""#!/bin/bash
+args=()
+for arg in "$@"; do [[ $arg == pretrain_moe.py ]] && arg={ROOT / "tests" / "_bad_loss_entry.py"}; args+=("$arg"); done
+PYTHONPATH={ROOT} exec {sys.executable} "${{args[@]}}"
+""")
+    python.chmod(0o755)
+    run_dir = tmp_path / "run"
+    env = dict(RUN_DIR=str(run_dir), NPROC="2", TRAIN_ITERS="3", SAVE_INTERVAL="100",
+               PYTHON=str(python), BAD_LOSS="nan", BAD_LOSS_AT="2", BAD_LOSS_RANK="1")
+    stopped = train_sh(timeout=600, **env)
+    log = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 16, log[-4000:]
+    assert "First rerun: unexpected result is reproducible" in log, log[-4000:]
+    assert ("[train.sh] iteration 2 gave a NaN/Inf again when megatron reran it (exit 16)"
+            in stopped.stdout), log[-4000:]
+    assert "run again with --iterations-to-skip 2 added to EXTRA_ARGS" in stopped.stdout
+    tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "1"  # megatron's checkpoint to rerun iteration 2 from
+
+    skipped = train_sh(timeout=600, EXTRA_ARGS="--iterations-to-skip 2", **env)
+    assert skipped.returncode == 0, (skipped.stdout + skipped.stderr)[-4000:]
+    assert "iteration        3/       3" in skipped.stdout, skipped.stdout[-4000:]
+    assert "[train.sh] iteration" not in skipped.stdout
+    assert tracker.read_text().strip() == "3"
+
+
+@pytest.mark.slow
+def test_local_run_sigterm_reaches_torchrun_and_the_ranks_save(tmp_path):
+    """train.sh waits for torchrun instead of exec'ing it (it reads megatron's verdict after);
+    a SIGTERM to train.sh still reaches torchrun, which stops its ranks, and they save
+    (--exit-signal-handler). train.sh returns after them, with torchrun's status (1: torchrun
+    re-raises the signal as an exception), leaving no process of the run behind."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        ["bash", str(TRAIN_SH)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=clean_env(RUN_DIR=str(run_dir), NPROC="2", TRAIN_ITERS="1000",
+                                 SAVE_INTERVAL="1000"))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not re.search(r"iteration\s+2/\s+1000", "".join(lines)):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=120)
+    finally:
+        left = [p for p in psutil.process_iter(["cmdline"])
+                if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+        for leftover in left + [process]:
+            leftover.kill()
+    reader.join(timeout=10)
+    log = "".join(lines)
+    assert not left, [p.info["cmdline"][:3] for p in left]
+    assert status == 1, log[-4000:]
+    assert "exiting program after receiving SIGTERM" in log, log[-4000:]
+    saved = int((run_dir / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < 1000, log[-4000:]
 
 
 @pytest.mark.slow
