@@ -305,7 +305,8 @@ if [[ -z "${SLURM_JOB_ID:-}" ]]; then
   # Not exec'd: torchrun exits 1 whatever its ranks' exit codes were, and megatron's verdict on a
   # NaN/Inf loss is read afterwards from the tracker. torchrun runs in a process group of its own
   # (set -m; its ranks have sessions of their own) and gets what this shell gets, once, as if
-  # exec'd: Ctrl-C and SIGTERM; it stops the ranks, which save (--exit-signal-handler).
+  # exec'd. It passes the signal on to the ranks: on SIGTERM they save (--exit-signal-handler);
+  # on Ctrl-C (SIGINT) they stop without saving, as before.
   TRACKER_LINES_BEFORE=$(tracker_lines)
   set -m
   "${LAUNCH[@]}" pretrain_moe.py "${ARGS[@]}" &  # torch.distributed.run takes the script itself
