@@ -16,6 +16,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,12 +71,13 @@ class _RankServer:
     """tests/_ranks.py --serve, started once per test session; see there."""
 
     def __init__(self):
-        self.path = os.path.join(tempfile.mkdtemp(prefix="ranks-"), "socket")
+        self.dir = tempfile.mkdtemp(prefix="ranks-")
+        self.path = os.path.join(self.dir, "socket")
         self.env = _environment(None)
         self.proc = subprocess.Popen([sys.executable, str(RANKS), "--serve", self.path],
                                      cwd=REPO, env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
-        atexit.register(self.proc.kill)
+        atexit.register(self.stop)
         self.served = 0
         self.unserved: collections.Counter[str] = collections.Counter()
         startup = []
@@ -83,6 +85,10 @@ class _RankServer:
             line = self.proc.stdout.readline()
             assert line, "the rank server did not start:\n" + "".join(startup)[-3000:]
             startup.append(line)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def serves(self, env: dict) -> bool:
         changed = {key for key in {*env, *self.env} if env.get(key) != self.env.get(key)}

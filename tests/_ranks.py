@@ -37,9 +37,11 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 
@@ -69,20 +71,22 @@ def _preload() -> None:
     gc.freeze()
 
 
-def _start_write_results_queue() -> None:
+def _start_write_results_queue(socket_dir: str) -> None:
     """megatron's torch_dist writer (FileSystemWriterAsync) sends each save's results through a
     multiprocessing Manager queue that it starts at a process's first save with 'spawn': a new
     interpreter that imports the rank's __main__ (pretrain_moe.py: torch, the launcher) before
     it serves, 3-6 s of every launch that saves, with the ranks' spawns competing for 2 cores.
     A rank forked here starts that queue's manager by fork instead, before it runs anything (it
     has one thread then); megatron then uses it as its own. What goes through it is the same;
-    launches under torchrun keep megatron's spawn."""
+    launches under torchrun keep megatron's spawn. Its socket lives in the launcher's socket_dir:
+    a manager's own temporary folder outlives it when its rank is killed."""
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    manager = SyncManager(address=os.path.join(socket_dir, f"manager-{os.getpid()}"),
+                          ctx=multiprocessing.get_context("fork"))
     manager.start(_die_with_parent)  # a rank killed outright takes it along
     filesystem_async._results_queue = manager.Queue()  # the queue keeps its manager
 
@@ -110,7 +114,7 @@ def _rank_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[str
             "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _fork_ranks(nproc: int) -> tuple[int | None, dict[int, int], list[int]]:
+def _fork_ranks(nproc: int, socket_dir: str) -> tuple[int | None, dict[int, int], list[int]]:
     """(this process's rank, or None in the launcher; pid -> rank; the port pipes' write ends)."""
     pids, writers = {}, []
     for rank in range(nproc):
@@ -123,7 +127,7 @@ def _fork_ranks(nproc: int) -> tuple[int | None, dict[int, int], list[int]]:
             with os.fdopen(read_end) as pipe:
                 port, run_id = pipe.read().split()
             os.environ.update(_rank_environment(rank, nproc, int(port), run_id))
-            _start_write_results_queue()
+            _start_write_results_queue(socket_dir)
             return rank, {}, []
         os.close(read_end)
         pids[pid] = rank
@@ -156,7 +160,8 @@ def _supervise(pids: dict[int, int]) -> int:
 
 def _launch(nproc: int) -> int | None:
     """Forks the ranks: None in a rank (which then runs the script), the exit status here."""
-    rank, pids, writers = _fork_ranks(nproc)
+    socket_dir = tempfile.mkdtemp(prefix="ranks-launch-")
+    rank, pids, writers = _fork_ranks(nproc, socket_dir)
     if rank is not None:
         return None
     from torch.distributed import TCPStore
@@ -169,7 +174,9 @@ def _launch(nproc: int) -> int | None:
     forward = lambda signum, _frame: [os.kill(pid, signum) for pid in pids]  # noqa: E731
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    return _supervise(pids)
+    status = _supervise(pids)
+    shutil.rmtree(socket_dir, ignore_errors=True)  # every rank, so every manager, is gone
+    return status
 
 
 def _serve(path: str) -> list[str]:
