@@ -430,8 +430,9 @@ def test_dry_run_in_a_job_is_sized_from_the_job(cluster):
 
 def test_time_limit_saves_first_and_the_requeued_job_continues(cluster):
     ckpt = cluster.root / "ckpt-time-limit"
-    job = cluster.submit("time-limit", "--ntasks-per-node=4", "--time=30", "--signal=B:USR1@170",
-                         CKPT_DIR=str(ckpt), TRAIN_ITERS="1000", SAVE_INTERVAL="1000")
+    job = cluster.submit("time-limit", "--ntasks-per-node=2", "--time=30", "--signal=B:USR1@170",
+                         GPUS_PER_NODE="2", CKPT_DIR=str(ckpt), TRAIN_ITERS="1000",
+                         SAVE_INTERVAL="1000")
     job.wait_log(r"iteration\s+2/", timeout=420)
     # Once it trains, its time limit comes 2-3 minutes ahead (Slurm counts whole minutes).
     # slurmctld looks every 30 s and sends USR1 up to 30 s after --signal's 170 s before the
@@ -475,8 +476,10 @@ exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
 """)
     wrapper.chmod(0o755)
     # MASTER_ADDR: the second node's name does not resolve (Cluster.submit)
-    job = cluster.submit("bad-batch", "--ntasks-per-node=4", CKPT_DIR=str(ckpt),
-                         RUN_DIR=str(run_dir), PYTHON=str(wrapper), MASTER_ADDR="127.0.0.1",
+    # 2 tasks (EP 2 over two data-parallel replicas): 4 took twice as long over three attempts
+    job = cluster.submit("bad-batch", "--ntasks-per-node=2", GPUS_PER_NODE="2",
+                         CKPT_DIR=str(ckpt), RUN_DIR=str(run_dir), PYTHON=str(wrapper),
+                         MASTER_ADDR="127.0.0.1",
                          BAD_LOSS="nan", BAD_LOSS_AT="2", BAD_LOSS_RANK="1",
                          TRAIN_ITERS="3", SAVE_INTERVAL="100")
     first_node, other_node = cluster.nodes
