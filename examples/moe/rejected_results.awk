@@ -9,7 +9,8 @@
 #   awk -f examples/moe/rejected_results.awk FILE
 # With -v verdict_after=N it prints instead what megatron decided in the lines after line N (one
 # attempt's): "STATUS ITERATION NODE" of the last that reproduced a NaN/Inf (STATUS
-# FIRST_RERUN_REPRODUCIBLE: it exited 16; SECOND_RERUN_REPRODUCIBLE: 17), or nothing.
+# FIRST_RERUN_REPRODUCIBLE: it exited 16; SECOND_RERUN_REPRODUCIBLE: 17), or nothing; after a 17,
+# a fourth field: the node that reproduced that iteration's NaN/Inf in place (its 16), if any.
 function field(name) {  # the value of " name=value" on this line, "" if none
   if (!match($0, " " name "=[^ ]*")) return ""
   return substr($0, RSTART + length(name) + 2, RLENGTH - length(name) - 2)
@@ -19,9 +20,12 @@ function field(name) {  # the value of " name=value" on this line, "" if none
   sub(/.*\./, "", status)
   status = toupper(status)
   if (verdict_after != "") {
-    if (NR > verdict_after && / message=.found (NaN|Inf) / &&
+    if (!/ message=.found (NaN|Inf) /) next
+    if (status == "FIRST_RERUN_REPRODUCIBLE") first_node[field("iteration")] = field("node")
+    if (NR > verdict_after &&
         (status == "FIRST_RERUN_REPRODUCIBLE" || status == "SECOND_RERUN_REPRODUCIBLE"))
-      verdict = status " " field("iteration") " " field("node")
+      verdict = status " " field("iteration") " " field("node") \
+                (status == "SECOND_RERUN_REPRODUCIBLE" ? " " first_node[field("iteration")] : "")
     next
   }
   if (status != "RERUN_DISABLED" && status != "FIRST_RERUN_REPRODUCIBLE" &&

@@ -207,11 +207,13 @@ tracker_lines() { if [[ -n $TRACKER ]]; then wc -l < "$TRACKER"; else echo 0; fi
 # a rerun in place reproduced it (it saved a checkpoint; the step must be rerun on another GPU),
 # 17 where it was reproduced on a second node. Neither torchrun nor srun passes that code on.
 # rejected_verdict reads it from the tracker lines this attempt appended (rejected_results.awk):
-# sets VERDICT, ITERATION and NODE (megatron's host name), and fails where there is none.
+# sets VERDICT, ITERATION and NODE (megatron's host name), after a 17 FIRST_NODE (the host that
+# gave the 16), and fails where there is none.
 rejected_verdict() {
   [[ -n $TRACKER && -f $TRACKER ]] || return 1
-  read -r VERDICT ITERATION NODE < <(awk -v verdict_after="$TRACKER_LINES_BEFORE" \
-                                       -f examples/moe/rejected_results.awk "$TRACKER") || true
+  read -r VERDICT ITERATION NODE FIRST_NODE < <(awk -v verdict_after="$TRACKER_LINES_BEFORE" \
+                                                  -f examples/moe/rejected_results.awk \
+                                                  "$TRACKER") || true
   [[ -n ${VERDICT:-} ]]
 }
 # True where megatron's reading of the tracker at its next start skips iteration $1.
@@ -399,9 +401,11 @@ echo "[train.sh] command: $(show "${LAUNCH[@]}" "$PYTHON" pretrain_moe.py "${ARG
 
 # srun's status does not carry megatron's 16/17 either: --kill-on-bad-exit ends the ranks still
 # exiting after the first, and srun then returns 143 (rejected_verdict reads it).
-slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among the job's nodes
+# The Slurm name of host $1 (megatron names uname's) among the nodes of hostlist $2 (default: the
+# job's), or $1 itself.
+slurm_node_of() {
   local n
-  for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  for n in $(scontrol show hostnames "${2:-$SLURM_JOB_NODELIST}"); do
     if [[ $n == "$1" || $n == "${1%%.*}" ]] ||
        scontrol show node -o "$n" 2>/dev/null | grep -q " NodeHostName=$1 "; then
       echo "$n"
@@ -410,19 +414,52 @@ slurm_node_of() {  # the Slurm name of host $1 (megatron names uname's) among th
   done
   echo "$1"
 }
+# The job's excluded nodes (sbatch --exclude, scontrol update ExcNodeList), one per line.
+excluded_nodes() {
+  local list
+  list=$(scontrol show job -o "$SLURM_JOB_ID" | grep -o ' ExcNodeList=[^ ]*' | cut -d= -f2)
+  [[ -z $list || $list == "(null)" ]] || scontrol show hostnames "$list"
+}
+# After a 17 the host that gave the 16 ($1) is cleared: the NaN/Inf was the batch's. Where the
+# job excludes its node (train.sh's advice at the 16), that exclusion is lifted, the others kept,
+# as the job requeues (a running job's ExcNodeList cannot change: it is held, updated, released).
+# Returns non-zero where it requeued nothing.
+requeue_without_exclusion_of() {
+  local excluded node kept
+  excluded=$(excluded_nodes)
+  [[ -n $1 && -n $excluded ]] || return 1
+  node=$(slurm_node_of "$1" "$(paste -sd, - <<< "$excluded")")
+  grep -qx "$node" <<< "$excluded" || return 1
+  kept=$(grep -vx "$node" <<< "$excluded" | paste -sd, -)
+  scontrol requeuehold "$SLURM_JOB_ID" || return 1
+  if scontrol update jobid="$SLURM_JOB_ID" ExcNodeList="$kept"; then
+    echo "[train.sh] $node gave that NaN/Inf too and is not at fault: the job no longer excludes" \
+         "it (ExcNodeList=${kept:-(none)})"
+  else
+    echo "train.sh: scontrol update jobid=$SLURM_JOB_ID ExcNodeList=$kept failed: the job" \
+         "still excludes $node" >&2
+  fi
+  scontrol release "$SLURM_JOB_ID" ||
+    echo "train.sh: scontrol release $SLURM_JOB_ID failed: the job is held; release it with" \
+         "scontrol release $SLURM_JOB_ID" >&2
+  return 0
+}
 after_result_validation() {  # on a stop of the ranks; returns when the job is not held or requeued
-  local verdict iteration node
+  local verdict iteration node excluded
   rejected_verdict || return 0
   verdict=$VERDICT iteration=$ITERATION node=$(slurm_node_of "$NODE")
+  # Holding or requeueing the job sends this shell SIGTERM: no rank is left to save.
+  trap '' TERM
   # status: the job's exit code, megatron's again
   if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]]; then
     status=16
+    excluded=$( (excluded_nodes; echo "$node") | paste -sd, -)  # keeps the job's own exclusions
     echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
          "(exit 16): to tell a faulty GPU from a bad batch it must run again on another node," \
          "from the checkpoint just saved. The job is held; rerun it elsewhere with: scontrol" \
-         "update jobid=$SLURM_JOB_ID ExcNodeList=$node && scontrol release $SLURM_JOB_ID (with" \
-         "no other node, where megatron would exit 16 again: scancel $SLURM_JOB_ID and submit" \
-         "again with EXTRA_ARGS='--iterations-to-skip $iteration', which skips the batch)"
+         "update jobid=$SLURM_JOB_ID ExcNodeList=$excluded && scontrol release $SLURM_JOB_ID" \
+         "(with no other node, where megatron would exit 16 again: scancel $SLURM_JOB_ID and" \
+         "submit again with EXTRA_ARGS='--iterations-to-skip $iteration', which skips the batch)"
     scontrol requeuehold "$SLURM_JOB_ID" ||
       echo "train.sh: scontrol requeuehold $SLURM_JOB_ID failed: resubmit the job with sbatch" \
            "--exclude=$node; it reruns iteration $iteration from $(flag_value --load)" >&2
@@ -438,7 +475,7 @@ after_result_validation() {  # on a stop of the ranks; returns when the job is n
   echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too: its batch," \
        "not a GPU (exit 17). Requeueing job $SLURM_JOB_ID: the next attempt skips iteration" \
        "$iteration ($TRACKER) and trains on from $(flag_value --load)"
-  if scontrol requeue "$SLURM_JOB_ID"; then
+  if requeue_without_exclusion_of "$FIRST_NODE" || scontrol requeue "$SLURM_JOB_ID"; then
     exit 0
   fi
   echo "train.sh: scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it skips iteration" \

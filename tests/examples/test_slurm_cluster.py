@@ -72,6 +72,7 @@ class Cluster:
         self.root = root
         self.host = socket.gethostname().split(".")[0]
         self.nodes = [self.host, f"{self.host}-2"]  # the second sorts after the first
+        self.spare = f"{self.host}-spare"  # in no partition (State=FUTURE): a job may exclude it
         self.conf = root / "slurm.conf"
         self.pid_files: list[Path] = []
 
@@ -125,6 +126,7 @@ SlurmdParameters=config_overrides
 KillWait=120
 MessageTimeout=30
 {node_lines}
+NodeName={self.spare} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={free_port()} State=FUTURE
 PartitionName=ci Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
         subprocess.run([program("slurmctld"), "-i"], env=self.env(), check=True)
@@ -464,9 +466,10 @@ def test_a_batch_that_fails_on_two_nodes_is_skipped_and_the_job_trains_on(cluste
     rank 1), through train.sh's default --result-rejected-tracker-filename. Attempt 1 reruns it
     in place, megatron saves and exits 16, train.sh holds the job naming the node to exclude;
     released elsewhere, attempt 2 reruns it from the checkpoint and exits 17, and train.sh,
-    finding that megatron's reading of the tracker skips iteration 2, requeues; attempt 3 skips
-    it and finishes. Megatron reads the node from uname: each rank runs under the shim with its
-    Slurm node's name (both slurmd share this host)."""
+    finding that megatron's reading of the tracker skips iteration 2, lifts the first node's
+    exclusion (its GPU was not at fault) and requeues; attempt 3 skips it and finishes.
+    Megatron reads the node from uname: each rank runs under the shim with its Slurm node's name
+    (both slurmd share this host)."""
     ckpt, run_dir = cluster.root / "ckpt-bad-batch", cluster.root / "runs" / "bad-batch"
     wrapper = cluster.root / "python-bad-batch"
     wrapper.write_text(f"""#!/bin/bash
@@ -475,11 +478,12 @@ export LD_PRELOAD={node_shim} NODE_SHIM_HOSTNAME=$SLURMD_NODENAME PYTHONPATH={RO
 exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
 """)
     wrapper.chmod(0o755)
-    # MASTER_ADDR: the second node's name does not resolve (Cluster.submit)
-    # 2 tasks (EP 2 over two data-parallel replicas): 4 took twice as long over three attempts
-    job = cluster.submit("bad-batch", "--ntasks-per-node=2", GPUS_PER_NODE="2",
-                         CKPT_DIR=str(ckpt), RUN_DIR=str(run_dir), PYTHON=str(wrapper),
-                         MASTER_ADDR="127.0.0.1",
+    # MASTER_ADDR: the second node's name does not resolve (Cluster.submit). 2 tasks (EP 2 over
+    # two data-parallel replicas): 4 took twice as long over three attempts. The job excludes a
+    # node of its own, which train.sh's advice and its lifting of an exclusion keep.
+    job = cluster.submit("bad-batch", "--ntasks-per-node=2", f"--exclude={cluster.spare}",
+                         GPUS_PER_NODE="2", CKPT_DIR=str(ckpt), RUN_DIR=str(run_dir),
+                         PYTHON=str(wrapper), MASTER_ADDR="127.0.0.1",
                          BAD_LOSS="nan", BAD_LOSS_AT="2", BAD_LOSS_RANK="1",
                          TRAIN_ITERS="3", SAVE_INTERVAL="100")
     first_node, other_node = cluster.nodes
@@ -488,7 +492,7 @@ exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
     log = job.log
     assert (f"[train.sh] iteration 2 gave a NaN/Inf again when megatron reran it on "
             f"{first_node} (exit 16)") in log, log[-6000:]
-    hold = (f"scontrol update jobid={job.id} ExcNodeList={first_node} && "
+    hold = (f"scontrol update jobid={job.id} ExcNodeList={cluster.spare},{first_node} && "
             f"scontrol release {job.id}")
     assert hold in log and held["Reason"] == "job_requeued_in_held_state", (held, log[-3000:])
     assert saved_iteration(ckpt) == 1  # megatron's checkpoint to rerun iteration 2 from
@@ -503,6 +507,11 @@ exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
     assert (f"[train.sh] iteration 2 gave a NaN/Inf on a second node ({other_node}) too: its "
             f"batch, not a GPU (exit 17). Requeueing job {job.id}") in second, second[-3000:]
     assert "Second rerun: unexpected result is reproducible on a different GPU" in second
+    # the first node was not at fault: the exclusion the hold's advice added is lifted
+    assert (f"[train.sh] {first_node} gave that NaN/Inf too and is not at fault: the job no "
+            f"longer excludes it (ExcNodeList={cluster.spare})") in second, second[-3000:]
+    assert job.state()["ExcNodeList"] == cluster.spare
+    assert "[train.sh] SIGTERM" not in first + second  # no rank was left to save at the hold
     assert "Will skip these iterations from tracker file: [2]" in third, third[-4000:]
     assert sorted(losses(third)) == [3] and saved_iteration(ckpt) == 3, third[-4000:]
     tracker = (run_dir / "rejected_results.txt").read_text()
