@@ -421,11 +421,14 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_run_stopped_by_a_nan_batch_says_how_to_skip_it(tmp_path):
+def test_local_run_stopped_by_a_nan_batch_says_how_to_skip_it(tmp_path, node_shim):
     """A NaN loss at iteration 2 in one data-parallel replica's batch (tests/_bad_loss_entry.py,
     rank 1) of a local run: megatron reruns it in place, saves a checkpoint and exits 16, which
     torchrun turns into 1. train.sh exits 16 and says how to skip the batch on one machine; the
-    run it names (EXTRA_ARGS as printed) skips iteration 2 and trains to the end."""
+    run it names (EXTRA_ARGS as printed) skips iteration 2 and trains to the end. The run
+    folder moved to another machine instead (tests/native/other_node_shim.c: megatron reads the
+    host from uname) reruns iteration 2 there and exits 17: train.sh exits 17 saying that the
+    next start skips it."""
     python = tmp_path / "python-bad-batch"  # runs tests/_bad_loss_entry.py for pretrain_moe.py
     python.write_text(f"""#!/bin/bash
 args=()
@@ -445,6 +448,15 @@ PYTHONPATH={ROOT} exec {sys.executable} "${{args[@]}}"
     assert "run again with --iterations-to-skip 2 added to EXTRA_ARGS" in stopped.stdout
     tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text().strip() == "1"  # megatron's checkpoint to rerun iteration 2 from
+
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir, moved)
+    elsewhere = train_sh(timeout=600, **{**env, "RUN_DIR": str(moved)},
+                         LD_PRELOAD=str(node_shim), NODE_SHIM_NODENAME="othermachine")
+    assert elsewhere.returncode == 17, (elsewhere.stdout + elsewhere.stderr)[-4000:]
+    assert ("[train.sh] iteration 2 gave a NaN/Inf on a second node (othermachine) too: its "
+            "batch, not a GPU (exit 17). Run again: the next start skips iteration 2"
+            in elsewhere.stdout), elsewhere.stdout[-4000:]
 
     skipped = train_sh(timeout=600, EXTRA_ARGS="--iterations-to-skip 2", **env)
     assert skipped.returncode == 0, (skipped.stdout + skipped.stderr)[-4000:]

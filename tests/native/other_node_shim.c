@@ -2,6 +2,8 @@
  * system-call boundary (no privileges needed).
  *   NODE_SHIM_HOSTNAME=<name>  gethostname() answers <name>, and uname() too (its nodename:
  *                              Python's os.uname(), which megatron's rerun state machine reads)
+ *   NODE_SHIM_NODENAME=<name>  uname() only: a name that need not resolve, where gethostname()
+ *                              must (torchrun --standalone's rendezvous resolves it)
  *   LOCK_SHIM=enolck           every record-lock call fails with ENOLCK (NFS mounted nolock, a
  *                              lock manager gone)
  *   LOCK_SHIM=grant            every record-lock call succeeds without locking (locks each node
@@ -79,6 +81,8 @@ int uname(struct utsname *buf) {
     int (*real)(struct utsname *) = dlsym(RTLD_NEXT, "uname");
     int result = real(buf);
     const char *host = getenv("NODE_SHIM_HOSTNAME");
+    if (!host)
+        host = getenv("NODE_SHIM_NODENAME");
     if (result == 0 && host) {
         strncpy(buf->nodename, host, sizeof(buf->nodename) - 1);
         buf->nodename[sizeof(buf->nodename) - 1] = '\0';
