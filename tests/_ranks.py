@@ -158,9 +158,11 @@ def _supervise(pids: dict[int, int]) -> int:
     return 0 if first_failure is None else first_failure if first_failure > 0 else 1
 
 
-def _launch(nproc: int) -> int | None:
-    """Forks the ranks: None in a rank (which then runs the script), the exit status here."""
-    socket_dir = tempfile.mkdtemp(prefix="ranks-launch-")
+def _launch(nproc: int, parent_dir: str | None) -> int | None:
+    """Forks the ranks: None in a rank (which then runs the script), the exit status here. The
+    ranks' sockets go in a folder under parent_dir (served: the server's, removed with it; a
+    launcher killed outright cannot remove its own)."""
+    socket_dir = tempfile.mkdtemp(prefix="ranks-launch-", dir=parent_dir)
     rank, pids, writers = _fork_ranks(nproc, socket_dir)
     if rank is not None:
         return None
@@ -225,8 +227,9 @@ def _serve(path: str) -> list[str]:
 def main() -> int | None:
     """The launcher's exit status, or None in a rank, with sys.argv set for the script."""
     _preload()
-    command = _serve(sys.argv[2]) if sys.argv[1] == "--serve" else sys.argv[1:]
-    status = _launch(int(command[0]))
+    serving = sys.argv[1] == "--serve"
+    command = _serve(sys.argv[2]) if serving else sys.argv[1:]
+    status = _launch(int(command[0]), os.path.dirname(sys.argv[2]) if serving else None)
     if status is None:
         sys.argv = command[1:]
         sys.path[0] = os.path.dirname(os.path.abspath(command[1]))
