@@ -67,6 +67,18 @@ READ_AT_IMPORT = ("TORCH", "PYTORCH", "OMP_", "MKL_", "NVTE_", "CUDA", "PYTHON",
                   "MEGATRON_PATCHES_STRICT", "LD_", "HF_", "TRANSFORMERS", "TOKENIZERS")
 
 
+def _as_imported(env: dict) -> dict:
+    """`env` as importing megatron leaves it: where TORCHINDUCTOR_CACHE_DIR is unset, megatron's
+    fusions make torch set it to its default folder, so a launch without it imports as one with
+    that folder (a test process that imported megatron has it; each test's environment is put
+    back to what it was before, which may not: without this such launches were not served)."""
+    if "TORCHINDUCTOR_CACHE_DIR" in env:
+        return env
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return {**env, "TORCHINDUCTOR_CACHE_DIR": os.path.abspath(default_cache_dir())}
+
+
 class _RankServer:
     """tests/_ranks.py --serve, started once per test session; see there."""
 
@@ -91,7 +103,8 @@ class _RankServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def serves(self, env: dict) -> bool:
-        changed = {key for key in {*env, *self.env} if env.get(key) != self.env.get(key)}
+        env, server = _as_imported(env), _as_imported(self.env)
+        changed = {key for key in {*env, *server} if env.get(key) != server.get(key)}
         read_at_import = sorted(key for key in changed if key.startswith(READ_AT_IMPORT))
         self.unserved.update(read_at_import)
         return self.proc.poll() is None and not read_at_import

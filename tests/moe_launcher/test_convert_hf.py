@@ -262,24 +262,75 @@ def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def _first_loss(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bool = False,
-                env: dict | None = None,
-                tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer"),
-                nproc: int = 2) -> float:
-    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`: the loss
-    TensorBoard has for iteration 1 (one step at lr 0; with `save`, saved into root/trained)."""
+# How the launches below train (megatron's optimizer: torch's AdamW without TE or apex, the
+# gradient clipped to this norm) and transformers' reference loop trains the same way.
+CLIP, ADAM_BETAS, ADAM_EPS = 1.0, (0.9, 0.999), 1e-8
+OPTIMIZER_FLAGS = ["--clip-grad", repr(CLIP), "--adam-beta1", repr(ADAM_BETAS[0]),
+                   "--adam-beta2", repr(ADAM_BETAS[1]), "--adam-eps", repr(ADAM_EPS),
+                   "--weight-decay", "0", "--lr-decay-style", "constant"]
+
+
+def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bool = False,
+                    env: dict | None = None,
+                    tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer"),
+                    nproc: int = 2, iterations: int = 1,
+                    lr: float = 0.0) -> dict[str, dict[int, float]]:
+    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`,
+    `iterations` steps at `lr` (without the load-balancing loss, which transformers' model
+    leaves out unless asked; with `save`, saved into root/trained at the end): the `lm loss`
+    and `grad-norm` TensorBoard has for each iteration."""
     from _launch import launch, tensorboard_scalars
 
     flags = (ckpt / "model_flags.txt").read_text().split()
-    saving = ["--save", str(root / "trained"), "--save-interval", "1"] if save else []
+    saving = (["--save", str(root / "trained"), "--save-interval", str(iterations)]
+              if save else [])
     launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
-               "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
-               *tokenizer, "--data-path", corpus, "--split", "100,0,0",
-               "--data-cache-path", str(root / "cache"), "--train-iters", "1", "--lr", "0.0",
-               "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-               "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
-               "--ckpt-format", "torch_dist"], env=env).check()
-    return tensorboard_scalars(root / "tb", "lm loss")[1]
+                   "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
+                   *tokenizer, "--data-path", corpus, "--split", "100,0,0",
+                   "--data-cache-path", str(root / "cache"), "--train-iters", str(iterations),
+                   "--lr", repr(lr), *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0",
+                   "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+                   "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
+                   "--ckpt-format", "torch_dist"], env=env).check()
+    return {tag: tensorboard_scalars(root / "tb", tag) for tag in ("lm loss", "grad-norm")}
+
+
+def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int,
+                        lr: float) -> dict[str, dict[int, float]]:
+    """The reference: transformers' own model (fp32) trained `steps` steps on the one sequence
+    every sample of the periodic corpus is, as megatron trains (the mean token loss, the
+    gradient clipped to CLIP, AdamW without weight decay at a constant lr): each step's loss
+    and gradient norm before clipping, by iteration. (torch's optimizer sets
+    TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank server.)"""
+    from transformers import AutoModelForCausalLM
+
+    from _megatron_cpu import environment_kept
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
+    labels = torch.cat([tokens[1:], tokens[:1]])
+    taken = {"lm loss": {}, "grad-norm": {}}
+    with environment_kept():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
+                                      weight_decay=0.0)
+        for iteration in range(1, steps + 1):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(tokens[None]).logits[0], labels)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            optimizer.step()
+            taken["lm loss"][iteration], taken["grad-norm"][iteration] = loss.item(), norm.item()
+    return taken
+
+
+def _differences(launched: dict[str, dict[int, float]],
+                 reference: dict[str, dict[int, float]]) -> list[str]:
+    """Where a launch's loss or gradient norm differs from the reference by more than fp32's
+    rounding over a few steps (measured: 1e-6 relative at most)."""
+    return [f"iteration {iteration}: launcher's {tag} {launched[tag].get(iteration)!r}, "
+            f"transformers' {value!r}"
+            for tag, values in reference.items() for iteration, value in values.items()
+            if iteration not in launched[tag]
+            or abs(launched[tag][iteration] - value) > 1e-5 * abs(value)]
 
 
 def _qwen_like_tokenizer(folder: Path) -> list[str]:
@@ -334,17 +385,20 @@ def _assert_streamed_equals_megatrons_load(ckpt: Path) -> None:
     assert not different, different[:3]
 
 
-def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conversions,
-                                                                   tmp_path):
+def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
+        family_conversions, tmp_path):
     """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
-    sequence parallelism and experts EP2, and on 4 at PP2 x VPP2 x EP2 with the model's own
-    tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids): the first logged loss is
-    transformers' own loss on the batch (loss-over-real-vocabulary; without it megatron's
-    loss takes the softmax over its 256 padded rows too, whose zero rows give logits 0: the
-    loss of transformers' logits padded with zeros). After one step at lr 0 the launcher's own
-    PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports bit-identical with the run's
-    tokenizer (issue 40): `from_pretrained` loads both, the token ids are the source's, and the
-    exported model's loss is the launcher's."""
+    sequence parallelism and experts EP2 x ETP1, and on 4 at PP2 x VPP2 x EP2 with the model's
+    own tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids), judged by transformers'
+    own model on the same batch: the first logged loss is transformers' loss
+    (loss-over-real-vocabulary; without it megatron's loss takes the softmax over its 256 padded
+    rows too, whose zero rows give logits 0: the loss of transformers' logits padded with
+    zeros), the logged gradient norm is that of transformers' gradient (every parameter counted
+    once over TP, ETP, EP, PP and DP), and at TP2 x EP2 x ETP1 three AdamW steps with the
+    gradient clipped give transformers' losses and norms trained the same way. After one step
+    at lr 0 the launcher's own PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports
+    bit-identical with the run's tokenizer (issue 40): `from_pretrained` loads both, the token
+    ids are the source's, and the exported model's loss is the launcher's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     family, hf_dir, ckpt, _ = family_conversions("mixtral")
@@ -356,39 +410,52 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
     _periodic_corpus(prefix, tokens)
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
-    logged = _first_loss(ckpt, prefix, tmp_path, tp2, save=True)
+    steps, lr = 3, 1e-3
+    trained = _launched_steps(ckpt, prefix, tmp_path, tp2, save=True, iterations=steps, lr=lr)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
         _assert_streamed_equals_megatrons_load(tmp_path / "trained")
     # PP2 x VPP2 (the layout's four virtual stages) x EP2 on 4 ranks, DP2: two micro-batches
     # per rank, as the interleaved schedule wants a multiple of PP
-    at_pp2 = _first_loss(ckpt, prefix, tmp_path / "pp2",
-                         ["--pipeline-model-parallel-size", "2",
-                          "--pipeline-model-parallel-layout", "E|t|t|L",
-                          "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
-                          "--global-batch-size", "4"], nproc=4,
-                         save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
-                                               "--tokenizer-model", str(tmp_path / "tokenizer")))
-    unpatched = _first_loss(ckpt, prefix, tmp_path / "unpatched", tp2,
-                            env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
+    at_pp2 = _launched_steps(ckpt, prefix, tmp_path / "pp2",
+                             ["--pipeline-model-parallel-size", "2",
+                              "--pipeline-model-parallel-layout", "E|t|t|L",
+                              "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
+                              "--global-batch-size", "4"], nproc=4,
+                             save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
+                                                   "--tokenizer-model", str(tmp_path / "tokenizer")))
+    unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched", tp2,
+                                env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
+    reference = _transformers_steps(hf_dir, tokens, steps, lr)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
             tokens[None]).logits[0]
     labels = torch.cat([tokens[1:], tokens[:1]])
     expected = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert abs(reference["lm loss"][1] - expected) < 1e-6 * expected  # the same forward
     padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
-    for loss in (logged, at_pp2):
-        assert abs(loss - expected) < 2e-4 * expected, (
-            f"{family}: launcher's first loss {loss!r}, transformers' {expected!r}")
-    assert abs(unpatched - with_padding) < 2e-4 * with_padding, (unpatched, with_padding)
+    assert not _differences(trained, reference), _differences(trained, reference)
+    first = {tag: {1: values[1]} for tag, values in reference.items()}
+    assert not _differences(at_pp2, first), _differences(at_pp2, first)
+    # The steps moved the loss far past the tolerance, and clipping acted (a norm above CLIP).
+    assert reference["lm loss"][1] - reference["lm loss"][steps] > 1e-2
+    assert reference["grad-norm"][1] > CLIP
+    assert abs(unpatched["lm loss"][1] - with_padding) < 2e-4 * with_padding, (
+        unpatched, with_padding)
+    # the padded rows' logits have gradients too: the norm is off by far more than the tolerance
+    assert _differences(unpatched, first) == [
+        f"iteration 1: launcher's {tag} {unpatched[tag][1]!r}, transformers' {first[tag][1]!r}"
+        for tag in ("lm loss", "grad-norm")]
     assert with_padding - expected > 1e-2  # the padded rows' share, far above the tolerance
-    print(f"{family}: first loss at TP2/EP2 {logged!r}, PP2 x VPP2 x EP2 {at_pp2!r}, "
-          f"transformers' "
-          f"{expected!r}; unpatched {unpatched!r} (transformers' over 256 padded rows "
-          f"{with_padding!r})")
+    print(f"{family}: at TP2 x EP2 x ETP1 losses {trained['lm loss']}, grad norms "
+          f"{trained['grad-norm']}; transformers' {reference['lm loss']}, "
+          f"{reference['grad-norm']}; at PP2 x VPP2 x EP2 loss {at_pp2['lm loss'][1]!r}, grad "
+          f"norm {at_pp2['grad-norm'][1]!r}; unpatched loss {unpatched['lm loss'][1]!r} "
+          f"(transformers' over 256 padded rows {with_padding!r}), grad norm "
+          f"{unpatched['grad-norm'][1]!r}")
 
     run = convert("export-hf", tmp_path / "pp2" / "trained", tmp_path / "exported")
     assert f"the tokenizer's files from the run's --tokenizer-model {tmp_path / 'tokenizer'}" \
@@ -406,7 +473,8 @@ def test_launcher_loads_it_at_tp2_ep2_and_exports_its_own_checkpoint(family_conv
     with torch.no_grad():
         exported_loss = torch.nn.functional.cross_entropy(
             exported.eval()(tokens[None]).logits[0], labels).item()
-    assert abs(exported_loss - at_pp2) < 2e-4 * at_pp2, (exported_loss, at_pp2)
+    pp2_loss = at_pp2["lm loss"][1]
+    assert abs(exported_loss - pp2_loss) < 2e-4 * pp2_loss, (exported_loss, pp2_loss)
 
 
 @pytest.mark.parametrize("remove, add, named", [
@@ -651,6 +719,24 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
         "--save-interval", "3")
     imported = transformers_loss(hf_dir)
     assert abs(trained[1] - imported) < 1e-2 * imported, (trained, imported)
+    # The same layout in fp32 with two micro-batches per rank (dense DP 4, expert DP 1): three
+    # steps give transformers' losses and gradient norms trained the same way; without
+    # fsdp-one-rank-grad-scaling the experts' gradients are off (Megatron-LM #6660).
+    reference = _transformers_steps(hf_dir, tokens, 3, 1e-3)
+    fp32 = [flag for flag in MEGATRON_FSDP if flag != "--bf16"]
+    for name, env in (("fp32", None),
+                      ("fp32_unpatched", {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"})):
+        _launched_losses(4, [*flags, *fp32, "--global-batch-size", "8"], tmp_path / name, corpus,
+                         *load, "--expert-model-parallel-size", "2",
+                         "--expert-tensor-parallel-size", "2", "--train-iters", "3", "--lr", "1e-3",
+                         *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", env=env)
+    from _launch import tensorboard_scalars
+
+    steps = {name: {tag: tensorboard_scalars(tmp_path / name / "tb", tag) for tag in reference}
+             for name in ("fp32", "fp32_unpatched")}
+    assert not _differences(steps["fp32"], reference), _differences(steps["fp32"], reference)
+    assert f"iteration 1: launcher's grad-norm" in " ".join(
+        _differences(steps["fp32_unpatched"], reference)), steps["fp32_unpatched"]
 
     convert("to-torch-dist", tmp_path / "trained", tmp_path / "torch_dist")
     convert("export-hf", tmp_path / "trained", tmp_path / "exported")
