@@ -387,15 +387,16 @@ def _assert_streamed_equals_megatrons_load(ckpt: Path) -> None:
 
 def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
         family_conversions, tmp_path):
-    """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 2 ranks, attention TP2 with
-    sequence parallelism and experts EP2 x ETP1, and on 4 at PP2 x VPP2 x EP2 with the model's
-    own tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids), judged by transformers'
+    """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 4 ranks, attention TP2 with
+    sequence parallelism, experts EP2 x ETP1, DP2 with the distributed optimizer and two
+    micro-batches per rank, and on 4 at PP2 x VPP2 x EP2 with the model's own tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids), judged by transformers'
     own model on the same batch: the first logged loss is transformers' loss
     (loss-over-real-vocabulary; without it megatron's loss takes the softmax over its 256 padded
     rows too, whose zero rows give logits 0: the loss of transformers' logits padded with
     zeros), the logged gradient norm is that of transformers' gradient (every parameter counted
     once over TP, ETP, EP, PP and DP), and at TP2 x EP2 x ETP1 three AdamW steps with the
-    gradient clipped give transformers' losses and norms trained the same way. After one step
+    gradient clipped give transformers' losses and norms trained the same way (the unpatched
+    run: 2 ranks, TP2 x EP2 x ETP1). After one step
     at lr 0 the launcher's own PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports
     bit-identical with the run's tokenizer (issue 40): `from_pretrained` loads both, the token
     ids are the source's, and the exported model's loss is the launcher's."""
@@ -411,7 +412,11 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     steps, lr = 3, 1e-3
-    trained = _launched_steps(ckpt, prefix, tmp_path, tp2, save=True, iterations=steps, lr=lr)
+    # 4 ranks: DP2 (expert DP 2) with megatron's distributed optimizer, two micro-batches each
+    trained = _launched_steps(ckpt, prefix, tmp_path,
+                              [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
+                               "--global-batch-size", "4"], nproc=4, save=True,
+                              iterations=steps, lr=lr)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -422,7 +427,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                              ["--pipeline-model-parallel-size", "2",
                               "--pipeline-model-parallel-layout", "E|t|t|L",
                               "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
-                              "--global-batch-size", "4"], nproc=4,
+                              "--global-batch-size", "4", "--use-distributed-optimizer"], nproc=4,
                              save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
                                                    "--tokenizer-model", str(tmp_path / "tokenizer")))
     unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched", tp2,
