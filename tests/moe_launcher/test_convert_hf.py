@@ -250,15 +250,17 @@ def test_export_keeps_the_source_models_token_ids_and_generation_config(family_c
 
 
 def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
-    """One document of `tokens` repeated: every sample megatron's GPTDataset cuts from it
-    (seq_length + 1 tokens from a multiple of seq_length, in any shuffled order, across epochs)
-    is the same, `tokens` followed by its first token."""
+    """Two documents of `tokens` repeated: every sample megatron's GPTDataset cuts from them
+    (seq_length + 1 tokens from a multiple of seq_length, in any shuffled order, across epochs
+    and documents) is the same, `tokens` followed by its first token; `--split 50,50,0` gives
+    training and validation a document each."""
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
-    builder.add_item(tokens.repeat(8))
-    builder.end_document()
+    for _ in range(2):
+        builder.add_item(tokens.repeat(8))
+        builder.end_document()
     builder.finalize(prefix + ".idx")
 
 
@@ -273,17 +275,20 @@ OPTIMIZER_FLAGS = ["--clip-grad", repr(CLIP), "--adam-beta1", repr(ADAM_BETAS[0]
 def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save: bool = False,
                     env: dict | None = None,
                     tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer"),
-                    nproc: int = 2, iterations: int = 1,
-                    lr: float = 0.0) -> dict[str, dict[int, float]]:
+                    nproc: int = 2, iterations: int = 1, lr: float = 0.0,
+                    evaluate: bool = False) -> dict[str, dict[int, float]]:
     """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`,
     `iterations` steps at `lr` (without the load-balancing loss, which transformers' model
-    leaves out unless asked; with `save`, saved into root/trained at the end): the `lm loss`
-    and `grad-norm` TensorBoard has for each iteration."""
+    leaves out unless asked; with `save`, saved into root/trained at the end; with `evaluate`,
+    one validation iteration after the last step): the `lm loss` and `grad-norm` TensorBoard
+    has for each iteration, and `lm loss validation`."""
     from _launch import launch, tensorboard_scalars
 
     flags = (ckpt / "model_flags.txt").read_text().split()
     saving = (["--save", str(root / "trained"), "--save-interval", str(iterations)]
               if save else [])
+    evaluation = (["--split", "50,50,0", "--eval-iters", "1", "--eval-interval", str(iterations)]
+                  if evaluate else [])
     launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
                    "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
                    *tokenizer, "--data-path", corpus, "--split", "100,0,0",
@@ -291,16 +296,18 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
                    "--lr", repr(lr), *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0",
                    "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
                    "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
-                   "--ckpt-format", "torch_dist"], env=env).check()
-    return {tag: tensorboard_scalars(root / "tb", tag) for tag in ("lm loss", "grad-norm")}
+                   "--ckpt-format", "torch_dist", *evaluation], env=env).check()
+    return {tag: tensorboard_scalars(root / "tb", tag)
+            for tag in ("lm loss", "grad-norm", "lm loss validation")}
 
 
-def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int,
-                        lr: float) -> dict[str, dict[int, float]]:
+def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int, lr: float,
+                        evaluate: bool = False) -> dict[str, dict[int, float]]:
     """The reference: transformers' own model (fp32) trained `steps` steps on the one sequence
     every sample of the periodic corpus is, as megatron trains (the mean token loss, the
     gradient clipped to CLIP, AdamW without weight decay at a constant lr): each step's loss
-    and gradient norm before clipping, by iteration. (torch's optimizer sets
+    and gradient norm before clipping, by iteration, and with `evaluate` the loss after the
+    last step (megatron's validation at that iteration). (torch's optimizer sets
     TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank server.)"""
     from transformers import AutoModelForCausalLM
 
@@ -319,6 +326,10 @@ def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int,
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             taken["lm loss"][iteration], taken["grad-norm"][iteration] = loss.item(), norm.item()
+    if evaluate:
+        with torch.no_grad():
+            loss = torch.nn.functional.cross_entropy(model(tokens[None]).logits[0], labels)
+        taken["lm loss validation"] = {steps: loss.item()}
     return taken
 
 
@@ -395,8 +406,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     rows too, whose zero rows give logits 0: the loss of transformers' logits padded with
     zeros), the logged gradient norm is that of transformers' gradient (every parameter counted
     once over TP, ETP, EP, PP and DP), and at TP2 x EP2 x ETP1 three AdamW steps with the
-    gradient clipped give transformers' losses and norms trained the same way (the unpatched
-    run: 2 ranks, TP2 x EP2 x ETP1). After one step
+    gradient clipped give transformers' losses and norms trained the same way, and megatron's
+    validation after them transformers' loss of the model trained (the unpatched run: 2 ranks,
+    TP2 x EP2 x ETP1). After one step
     at lr 0 the launcher's own PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports
     bit-identical with the run's tokenizer (issue 40): `from_pretrained` loads both, the token
     ids are the source's, and the exported model's loss is the launcher's."""
@@ -416,7 +428,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     trained = _launched_steps(ckpt, prefix, tmp_path,
                               [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
                                "--global-batch-size", "4"], nproc=4, save=True,
-                              iterations=steps, lr=lr)
+                              iterations=steps, lr=lr, evaluate=True)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -433,7 +445,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched", tp2,
                                 env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
-    reference = _transformers_steps(hf_dir, tokens, steps, lr)
+    reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
             tokens[None]).logits[0]
@@ -443,7 +455,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
     assert not _differences(trained, reference), _differences(trained, reference)
-    first = {tag: {1: values[1]} for tag, values in reference.items()}
+    first = {tag: {1: reference[tag][1]} for tag in ("lm loss", "grad-norm")}
     assert not _differences(at_pp2, first), _differences(at_pp2, first)
     # The steps moved the loss far past the tolerance, and clipping acted (a norm above CLIP).
     assert reference["lm loss"][1] - reference["lm loss"][steps] > 1e-2
@@ -456,8 +468,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
         for tag in ("lm loss", "grad-norm")]
     assert with_padding - expected > 1e-2  # the padded rows' share, far above the tolerance
     print(f"{family}: at TP2 x EP2 x ETP1 losses {trained['lm loss']}, grad norms "
-          f"{trained['grad-norm']}; transformers' {reference['lm loss']}, "
-          f"{reference['grad-norm']}; at PP2 x VPP2 x EP2 loss {at_pp2['lm loss'][1]!r}, grad "
+          f"{trained['grad-norm']}, validation {trained['lm loss validation']}; transformers' "
+          f"{reference['lm loss']}, {reference['grad-norm']}, "
+          f"{reference['lm loss validation']}; at PP2 x VPP2 x EP2 loss {at_pp2['lm loss'][1]!r}, grad "
           f"norm {at_pp2['grad-norm'][1]!r}; unpatched loss {unpatched['lm loss'][1]!r} "
           f"(transformers' over 256 padded rows {with_padding!r}), grad norm "
           f"{unpatched['grad-norm'][1]!r}")
@@ -725,16 +738,18 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     imported = transformers_loss(hf_dir)
     assert abs(trained[1] - imported) < 1e-2 * imported, (trained, imported)
     # The same layout in fp32 with two micro-batches per rank (dense DP 4, expert DP 1): three
-    # steps give transformers' losses and gradient norms trained the same way; without
-    # fsdp-one-rank-grad-scaling the experts' gradients are off (Megatron-LM #6660).
-    reference = _transformers_steps(hf_dir, tokens, 3, 1e-3)
+    # steps give transformers' losses and gradient norms trained the same way, the validation
+    # after them its loss of the model trained; without fsdp-one-rank-grad-scaling the experts'
+    # gradients are off (Megatron-LM #6660).
+    reference = _transformers_steps(hf_dir, tokens, 3, 1e-3, evaluate=True)
     fp32 = [flag for flag in MEGATRON_FSDP if flag != "--bf16"]
     for name, env in (("fp32", None),
                       ("fp32_unpatched", {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"})):
         _launched_losses(4, [*flags, *fp32, "--global-batch-size", "8"], tmp_path / name, corpus,
                          *load, "--expert-model-parallel-size", "2",
                          "--expert-tensor-parallel-size", "2", "--train-iters", "3", "--lr", "1e-3",
-                         *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", env=env)
+                         *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", "--split", "50,50,0",
+                         "--eval-iters", "1", "--eval-interval", "3", env=env)
     from _launch import tensorboard_scalars
 
     steps = {name: {tag: tensorboard_scalars(tmp_path / name / "tb", tag) for tag in reference}
