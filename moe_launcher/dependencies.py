@@ -50,6 +50,9 @@ REQUIREMENTS = (
                 lambda a: a.moe_token_dispatcher_type == "flex"
                 and a.moe_flex_dispatcher_backend == "hybridep",
                 DEEP_EP, "--moe-token-dispatcher-type alltoall"),
+    Requirement("--transformer-impl transformer_engine",
+                lambda a: a.transformer_impl == "transformer_engine",
+                TRANSFORMER_ENGINE, "pass --transformer-impl local"),
     Requirement("--moe-permute-fusion", lambda a: a.moe_permute_fusion,
                 TRANSFORMER_ENGINE, "drop --moe-permute-fusion"),
     Requirement("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,

@@ -5,12 +5,12 @@ reported with one log line saying why.
 """
 
 import dataclasses
-import importlib.util
 import os
 
 import torch
 
 from moe_launcher.command_line import flag_value
+from moe_launcher.dependencies import TRANSFORMER_ENGINE, installed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +43,6 @@ ON_CPU = (
 )
 
 
-def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def platform_defaults(on_cpu: bool, have_te: bool) -> tuple[PlatformDefault, ...]:
     defaults = ON_CPU if on_cpu else ()
     return defaults + (WITH_TE if (have_te and not on_cpu) else WITHOUT_TE)
@@ -56,7 +52,7 @@ def with_platform_defaults(argv: list[str], on_cpu: bool | None = None,
                            have_te: bool | None = None) -> tuple[list[str], list[str]]:
     """Returns argv with the missing platform flags appended, and one log line per added flag."""
     on_cpu = (not torch.cuda.is_available()) if on_cpu is None else on_cpu
-    have_te = transformer_engine_available() if have_te is None else have_te
+    have_te = installed(TRANSFORMER_ENGINE) if have_te is None else have_te
     return _add_missing(argv, platform_defaults(on_cpu, have_te))
 
 

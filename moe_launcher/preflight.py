@@ -16,7 +16,6 @@ refusal stops the run.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from typing import Callable
 
@@ -339,19 +338,6 @@ def check_layer_layout(args) -> list[int]:
         flag = next((f for f in candidates if f in problem), None) or next(
             (f for f in candidates[:2] if f in str(exc)), "--num-layers")
         raise PreflightError(flag, str(exc)) from None
-
-
-def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
-@preflight_check("transformer-engine")
-def check_transformer_engine(args) -> None:
-    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
-        raise PreflightError("--transformer-impl",
-                             "--transformer-impl transformer_engine, but Transformer Engine is "
-                             "not installed (no `transformer_engine` module); fix: install it "
-                             "(the NGC PyTorch image has it) or pass --transformer-impl local")
 
 
 @preflight_check("layernorm-1p-local-spec")
