@@ -24,8 +24,7 @@ WORLD = 2
 
 def run_scenario(scenario: str, out: str) -> list[dict]:
     """Runs one 2-rank scenario into `out`; returns each rank's result."""
-    run = launch(WORLD, [scenario, out], env={"PYTHONWARNINGS": "ignore"}, timeout=TIMEOUT_S,
-                 script=Path(WORKER))
+    run = launch(WORLD, [scenario, out], timeout=TIMEOUT_S, script=Path(WORKER))
     if run.returncode != 0:
         raise RuntimeError(f"{scenario} failed ({run.returncode}):\n{run.log[-4000:]}")
     results = []
