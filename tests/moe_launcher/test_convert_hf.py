@@ -44,16 +44,23 @@ def _mixtral():
                          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def _qwen3_moe_tied_bf16():
+def _qwen3_moe_tied():
     config = _qwen3_moe()
-    config.tie_word_embeddings, config.norm_topk_prob, config.dtype = True, True, "bfloat16"
+    config.tie_word_embeddings = True
+    return config
+
+
+def _qwen3_moe_tied_bf16():
+    config = _qwen3_moe_tied()
+    config.norm_topk_prob, config.dtype = True, "bfloat16"
     return config
 
 
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
-# Round trip only: tied embeddings (megatron without --untie-embeddings-and-output-weights),
-# bf16 weights (--bf16), the renormalised top-k (megatron's default router).
-VARIANTS = {**FAMILIES, "qwen3_moe_tied_bf16": _qwen3_moe_tied_bf16}
+# Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
+# bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
+VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
+            "qwen3_moe_tied_bf16": _qwen3_moe_tied_bf16}
 
 
 def _randomise(model) -> None:
@@ -493,6 +500,28 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
             exported.eval()(tokens[None]).logits[0], labels).item()
     pp2_loss = at_pp2["lm loss"][1]
     assert abs(exported_loss - pp2_loss) < 2e-4 * pp2_loss, (exported_loss, pp2_loss)
+
+
+def test_tied_embeddings_train_as_transformers_does_across_pipeline_stages(family_conversions,
+                                                                          tmp_path):
+    """A Qwen3-MoE import with tied input and output embeddings at PP2 (2 ranks, two
+    micro-batches): the first stage holds the embedding, the last its copy as the output layer;
+    megatron must add up both copies' gradients (its embedding group) and count the weight once
+    in the gradient norm. Three steps give the losses and gradient norms of transformers' own
+    tied model trained the same way, and the validation after them its loss (1e-5)."""
+    _, hf_dir, ckpt, _ = family_conversions("qwen3_moe_tied")
+    assert "--untie-embeddings-and-output-weights" not in (ckpt / "model_flags.txt").read_text()
+    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(2))
+    corpus = str(tmp_path / "corpus_text_document")
+    _periodic_corpus(corpus, tokens)
+    steps, lr = 3, 1e-3
+    trained = _launched_steps(ckpt, corpus, tmp_path,
+                              ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
+                              iterations=steps, lr=lr, evaluate=True)
+    reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True)
+    assert not _differences(trained, reference), _differences(trained, reference)
+    assert reference["lm loss"][1] - reference["lm loss"][steps] > 1e-2
+    print(f"tied Qwen3-MoE at PP2: {trained}; transformers' {reference}")
 
 
 @pytest.mark.parametrize("remove, add, named", [
