@@ -283,12 +283,13 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
                     env: dict | None = None,
                     tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer"),
                     nproc: int = 2, iterations: int = 1, lr: float = 0.0,
-                    evaluate: bool = False) -> dict[str, dict[int, float]]:
+                    evaluate: bool = False,
+                    aux_loss_coeff: float = 0.0) -> dict[str, dict[int, float]]:
     """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`,
-    `iterations` steps at `lr` (without the load-balancing loss, which transformers' model
-    leaves out unless asked; with `save`, saved into root/trained at the end; with `evaluate`,
-    one validation iteration after the last step): the `lm loss` and `grad-norm` TensorBoard
-    has for each iteration, and `lm loss validation`."""
+    `iterations` steps at `lr` with megatron's load-balancing loss (`aux_loss`) at
+    `aux_loss_coeff` (with `save`, saved into root/trained at the end; with `evaluate`, one
+    validation iteration after the last step): the `lm loss` and `grad-norm` TensorBoard has
+    for each iteration, and `lm loss validation`."""
     from _launch import launch, tensorboard_scalars
 
     flags = (ckpt / "model_flags.txt").read_text().split()
@@ -300,7 +301,7 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
                    "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
                    *tokenizer, "--data-path", corpus, "--split", "100,0,0",
                    "--data-cache-path", str(root / "cache"), "--train-iters", str(iterations),
-                   "--lr", repr(lr), *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0",
+                   "--lr", repr(lr), *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", repr(aux_loss_coeff),
                    "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
                    "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
                    "--ckpt-format", "torch_dist", *evaluation], env=env).check()
@@ -308,13 +309,32 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
             for tag in ("lm loss", "grad-norm", "lm loss validation")}
 
 
+def _switch_load_balancing_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
+                                coeff: float) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss as megatron documents its `aux_loss`
+    (moe_utils.switch_load_balancing_loss_func), summed over layers, from the router logits of
+    transformers' model: per layer coeff * E / (k * T^2) * sum_e (sum_t p_te) * n_e, p the
+    softmax over all E experts, n_e the tokens whose top k choose e (no gradient through n).
+    transformers' own `load_balancing_loss_func` averages over layers together instead."""
+    total = torch.zeros(())
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        tokens, experts = probs.shape
+        chosen = torch.zeros(experts).scatter_add_(
+            0, logits.topk(top_k, dim=-1).indices.flatten(), torch.ones(tokens * top_k))
+        total = total + coeff * experts / (top_k * tokens ** 2) * (probs.sum(0) * chosen).sum()
+    return total
+
+
 def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int, lr: float,
-                        evaluate: bool = False) -> dict[str, dict[int, float]]:
+                        evaluate: bool = False,
+                        aux_loss_coeff: float = 0.0) -> dict[str, dict[int, float]]:
     """The reference: transformers' own model (fp32) trained `steps` steps on the one sequence
-    every sample of the periodic corpus is, as megatron trains (the mean token loss, the
-    gradient clipped to CLIP, AdamW without weight decay at a constant lr): each step's loss
-    and gradient norm before clipping, by iteration, and with `evaluate` the loss after the
-    last step (megatron's validation at that iteration). (torch's optimizer sets
+    every sample of the periodic corpus is, as megatron trains (the mean token loss plus, at
+    `aux_loss_coeff`, megatron's load-balancing loss on the model's router logits, the
+    gradient clipped to CLIP, AdamW without weight decay at a constant lr): each step's token
+    loss and gradient norm before clipping, by iteration, and with `evaluate` the loss after
+    the last step (megatron's validation at that iteration). (torch's optimizer sets
     TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank server.)"""
     from transformers import AutoModelForCausalLM
 
@@ -328,8 +348,11 @@ def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int, lr: floa
                                       weight_decay=0.0)
         for iteration in range(1, steps + 1):
             optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(tokens[None]).logits[0], labels)
-            loss.backward()
+            output = model(tokens[None], output_router_logits=True)
+            loss = torch.nn.functional.cross_entropy(output.logits[0], labels)
+            (loss + _switch_load_balancing_loss(output.router_logits,
+                                                model.config.num_experts_per_tok,
+                                                aux_loss_coeff)).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             taken["lm loss"][iteration], taken["grad-norm"][iteration] = loss.item(), norm.item()
@@ -431,11 +454,12 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     steps, lr = 3, 1e-3
+    aux = 0.1  # megatron's aux_loss; its gradient moves the norm far past the tolerance
     # 4 ranks: DP2 (expert DP 2) with megatron's distributed optimizer, two micro-batches each
     trained = _launched_steps(ckpt, prefix, tmp_path,
                               [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
                                "--global-batch-size", "4"], nproc=4, save=True,
-                              iterations=steps, lr=lr, evaluate=True)
+                              iterations=steps, lr=lr, evaluate=True, aux_loss_coeff=aux)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -452,7 +476,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched", tp2,
                                 env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
-    reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True)
+    reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True,
+                                    aux_loss_coeff=aux)
+    without_aux = _transformers_steps(hf_dir, tokens, steps, lr)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
             tokens[None]).logits[0]
@@ -462,7 +488,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
     assert not _differences(trained, reference), _differences(trained, reference)
-    first = {tag: {1: reference[tag][1]} for tag in ("lm loss", "grad-norm")}
+    assert any("grad-norm" in line for line in _differences(trained, without_aux))
+    first = {tag: {1: without_aux[tag][1]} for tag in ("lm loss", "grad-norm")}
     assert not _differences(at_pp2, first), _differences(at_pp2, first)
     # The steps moved the loss far past the tolerance, and clipping acted (a norm above CLIP).
     assert reference["lm loss"][1] - reference["lm loss"][steps] > 1e-2
