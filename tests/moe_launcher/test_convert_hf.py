@@ -529,6 +529,33 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     assert abs(exported_loss - pp2_loss) < 2e-4 * pp2_loss, (exported_loss, pp2_loss)
 
 
+def test_global_aux_loss_trains_at_its_coefficient_as_the_reference_does(family_conversions,
+                                                                        tmp_path):
+    """`--moe-router-load-balancing-type global_aux_loss` at DP2 (2 ranks, EP2, two micro-batches
+    each) on batches of one repeated sequence, whose global-batch token counts are every
+    micro-batch's: it is then the reference's Switch Transformer loss at the same coefficient,
+    and three steps give transformers' losses and gradient norms trained with it (1e-5).
+    Without global-aux-loss-dp-scale (Megatron-LM #3672) they are those of the reference at
+    1/DP of the coefficient."""
+    _, hf_dir, ckpt, _ = family_conversions("mixtral")
+    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(3))
+    corpus = str(tmp_path / "corpus_text_document")
+    _periodic_corpus(corpus, tokens)
+    layout = ["--expert-model-parallel-size", "2", "--micro-batch-size", "1",
+              "--global-batch-size", "4", "--moe-router-load-balancing-type", "global_aux_loss"]
+    steps, lr, coeff = 3, 1e-3, 0.1
+    runs = {name: _launched_steps(ckpt, corpus, tmp_path / name, layout, iterations=steps, lr=lr,
+                                  aux_loss_coeff=coeff, env=env)
+            for name, env in (("patched", None),
+                              ("unpatched", {"MEGATRON_PATCHES_DISABLE": "global-aux-loss-dp-scale"}))}
+    reference = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=coeff)
+    at_its_dp_share = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=coeff / 2)
+    assert not _differences(runs["patched"], reference), _differences(runs["patched"], reference)
+    assert any("grad-norm" in line for line in _differences(runs["unpatched"], reference))
+    assert not _differences(runs["unpatched"], at_its_dp_share), (
+        _differences(runs["unpatched"], at_its_dp_share))
+
+
 def test_tied_embeddings_train_as_transformers_does_across_pipeline_stages(family_conversions,
                                                                           tmp_path):
     """A Qwen3-MoE import with tied input and output embeddings at PP2 (2 ranks, two
