@@ -283,13 +283,14 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
                     env: dict | None = None,
                     tokenizer: tuple[str, ...] = ("--tokenizer-type", "NullTokenizer"),
                     nproc: int = 2, iterations: int = 1, lr: float = 0.0,
-                    evaluate: bool = False,
-                    aux_loss_coeff: float = 0.0) -> dict[str, dict[int, float]]:
+                    evaluate: bool = False, aux_loss_coeff: float = 0.0,
+                    z_loss_coeff: float | None = None) -> dict[str, dict[int, float]]:
     """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`,
     `iterations` steps at `lr` with megatron's load-balancing loss (`aux_loss`) at
-    `aux_loss_coeff` (with `save`, saved into root/trained at the end; with `evaluate`, one
-    validation iteration after the last step): the `lm loss` and `grad-norm` TensorBoard has
-    for each iteration, and `lm loss validation`."""
+    `aux_loss_coeff` and its router z-loss at `z_loss_coeff` (with `save`, saved into
+    root/trained at the end; with `evaluate`, one validation iteration after the last step):
+    the `lm loss` and `grad-norm` TensorBoard has for each iteration, and `lm loss
+    validation`."""
     from _launch import launch, tensorboard_scalars
 
     flags = (ckpt / "model_flags.txt").read_text().split()
@@ -297,6 +298,7 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
               if save else [])
     evaluation = (["--split", "50,50,0", "--eval-iters", "1", "--eval-interval", str(iterations)]
                   if evaluate else [])
+    z_loss = ["--moe-z-loss-coeff", repr(z_loss_coeff)] if z_loss_coeff is not None else []
     launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
                    "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
                    *tokenizer, "--data-path", corpus, "--split", "100,0,0",
@@ -304,7 +306,7 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
                    "--lr", repr(lr), *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", repr(aux_loss_coeff),
                    "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
                    "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
-                   "--ckpt-format", "torch_dist", *evaluation], env=env).check()
+                   "--ckpt-format", "torch_dist", *evaluation, *z_loss], env=env).check()
     return {tag: tensorboard_scalars(root / "tb", tag)
             for tag in ("lm loss", "grad-norm", "lm loss validation")}
 
@@ -326,13 +328,21 @@ def _switch_load_balancing_loss(router_logits: tuple[torch.Tensor, ...], top_k: 
     return total
 
 
+def _router_z_loss(router_logits: tuple[torch.Tensor, ...], coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss, megatron's `--moe-z-loss-coeff`, summed over layers: per layer
+    coeff * the mean over tokens of logsumexp(logits)^2."""
+    return sum((coeff * torch.logsumexp(logits.float(), dim=-1).square().mean()
+                for logits in router_logits), torch.zeros(()))
+
+
 def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int, lr: float,
-                        evaluate: bool = False,
-                        aux_loss_coeff: float = 0.0) -> dict[str, dict[int, float]]:
+                        evaluate: bool = False, aux_loss_coeff: float = 0.0,
+                        z_loss_coeff: float = 0.0) -> dict[str, dict[int, float]]:
     """The reference: transformers' own model (fp32) trained `steps` steps on the one sequence
     every sample of the periodic corpus is, as megatron trains (the mean token loss plus, at
-    `aux_loss_coeff`, megatron's load-balancing loss on the model's router logits, the
-    gradient clipped to CLIP, AdamW without weight decay at a constant lr): each step's token
+    `aux_loss_coeff`, megatron's load-balancing loss on the model's router logits and, at
+    `z_loss_coeff`, the router z-loss; the gradient clipped to CLIP, AdamW without weight
+    decay at a constant lr): each step's token
     loss and gradient norm before clipping, by iteration, and with `evaluate` the loss after
     the last step (megatron's validation at that iteration). (torch's optimizer sets
     TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank server.)"""
@@ -352,7 +362,8 @@ def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int, lr: floa
             loss = torch.nn.functional.cross_entropy(output.logits[0], labels)
             (loss + _switch_load_balancing_loss(output.router_logits,
                                                 model.config.num_experts_per_tok,
-                                                aux_loss_coeff)).backward()
+                                                aux_loss_coeff)
+             + _router_z_loss(output.router_logits, z_loss_coeff)).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             taken["lm loss"][iteration], taken["grad-norm"][iteration] = loss.item(), norm.item()
@@ -454,12 +465,14 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     steps, lr = 3, 1e-3
-    aux = 0.1  # megatron's aux_loss; its gradient moves the norm far past the tolerance
+    # megatron's aux_loss and router z-loss: each moves the gradient norm far past the tolerance
+    aux, z_loss = 0.1, 1e-2
     # 4 ranks: DP2 (expert DP 2) with megatron's distributed optimizer, two micro-batches each
     trained = _launched_steps(ckpt, prefix, tmp_path,
                               [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
                                "--global-batch-size", "4"], nproc=4, save=True,
-                              iterations=steps, lr=lr, evaluate=True, aux_loss_coeff=aux)
+                              iterations=steps, lr=lr, evaluate=True, aux_loss_coeff=aux,
+                              z_loss_coeff=z_loss)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -477,8 +490,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                                 env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
     reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True,
-                                    aux_loss_coeff=aux)
+                                    aux_loss_coeff=aux, z_loss_coeff=z_loss)
     without_aux = _transformers_steps(hf_dir, tokens, steps, lr)
+    without_z_loss = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=aux)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
             tokens[None]).logits[0]
@@ -488,7 +502,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
     assert not _differences(trained, reference), _differences(trained, reference)
-    assert any("grad-norm" in line for line in _differences(trained, without_aux))
+    for partial in (without_aux, without_z_loss):
+        assert any("grad-norm" in line for line in _differences(trained, partial))
     first = {tag: {1: without_aux[tag][1]} for tag in ("lm loss", "grad-norm")}
     assert not _differences(at_pp2, first), _differences(at_pp2, first)
     # The steps moved the loss far past the tolerance, and clipping acted (a norm above CLIP).
