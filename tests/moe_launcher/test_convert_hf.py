@@ -447,7 +447,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     rows too, whose zero rows give logits 0: the loss of transformers' logits padded with
     zeros), the logged gradient norm is that of transformers' gradient (every parameter counted
     once over TP, ETP, EP, PP and DP), and at TP2 x EP2 x ETP1 three AdamW steps with the
-    gradient clipped give transformers' losses and norms trained the same way, and megatron's
+    gradient clipped, megatron's load-balancing loss and router z-loss (also with
+    --calculate-per-token-loss) give transformers' losses and norms trained the same way (the
+    two router losses in the reference from transformers' router logits), and megatron's
     validation after them transformers' loss of the model trained (the unpatched run: 2 ranks,
     TP2 x EP2 x ETP1). After one step
     at lr 0 the launcher's own PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports
@@ -468,11 +470,16 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     # megatron's aux_loss and router z-loss: each moves the gradient norm far past the tolerance
     aux, z_loss = 0.1, 1e-2
     # 4 ranks: DP2 (expert DP 2) with megatron's distributed optimizer, two micro-batches each
-    trained = _launched_steps(ckpt, prefix, tmp_path,
-                              [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
-                               "--global-batch-size", "4"], nproc=4, save=True,
+    dp2 = [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
+           "--global-batch-size", "4"]
+    trained = _launched_steps(ckpt, prefix, tmp_path, dp2, nproc=4, save=True,
                               iterations=steps, lr=lr, evaluate=True, aux_loss_coeff=aux,
                               z_loss_coeff=z_loss)
+    # --calculate-per-token-loss: megatron divides by the global token count after the
+    # reduction and rescales both router losses by their local token counts to match
+    per_token = _launched_steps(ckpt, prefix, tmp_path / "per_token",
+                                [*dp2, "--calculate-per-token-loss"], nproc=4, iterations=steps,
+                                lr=lr, aux_loss_coeff=aux, z_loss_coeff=z_loss)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -502,6 +509,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
     assert not _differences(trained, reference), _differences(trained, reference)
+    trained_steps = {tag: reference[tag] for tag in ("lm loss", "grad-norm")}
+    assert not _differences(per_token, trained_steps), _differences(per_token, trained_steps)
     for partial in (without_aux, without_z_loss):
         assert any("grad-norm" in line for line in _differences(trained, partial))
     first = {tag: {1: without_aux[tag][1]} for tag in ("lm loss", "grad-norm")}
