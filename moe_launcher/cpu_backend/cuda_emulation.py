@@ -178,6 +178,32 @@ def _drawing_from(generator: torch.Generator):
         torch.default_generator.set_state(host_state)
 
 
+def _backward_in_mode(mode: TorchFunctionMode, tensors, grad_tensors=None, retain_graph=None,
+                      create_graph=False, inputs=None) -> None:
+    """torch.autograd.backward (or Tensor.backward) with `mode` active while the engine runs
+    the backward functions.
+
+    A torch function mode is off while its own handler runs, and both backward calls dispatch
+    to it: the backward functions they run, and a backward started inside a backward
+    (megatron's activation recompute, tensor_parallel.random.CheckpointFunction), would run
+    without the CPU backend, so a backward op naming the CUDA device (the MoE all-to-all's
+    `new_empty(device=current_device())`) fails and a recomputed dropout draws from the host
+    generator. The mode is put back around the engine's run, past backward's own dispatch
+    (which would hand the call to the mode again)."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if inputs is not None:
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    with mode:
+        grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grad_tensors, len(tensors)),
+                            is_grads_batched=False)
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph,
+                             create_graph, inputs or (), allow_unreachable=True,
+                             accumulate_grad=True)
+
+
 class CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while active; tags the
     tensors that would be host tensors on a GPU; draws the virtual device's random numbers
@@ -190,6 +216,12 @@ class CudaToCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward:
+            return _backward_in_mode(self, *args, **kwargs)
+        if func is torch.Tensor.backward:  # (self, gradient, retain_graph, create_graph, inputs)
+            if "gradient" in kwargs:
+                kwargs["grad_tensors"] = kwargs.pop("gradient")
+            return _backward_in_mode(self, *args, **kwargs)
         if func is torch.Tensor.cuda:
             _forget_host(args[0])
             return args[0]

@@ -448,7 +448,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     zeros), the logged gradient norm is that of transformers' gradient (every parameter counted
     once over TP, ETP, EP, PP and DP), and at TP2 x EP2 x ETP1 three AdamW steps with the
     gradient clipped, megatron's load-balancing loss and router z-loss (also with
-    --calculate-per-token-loss) give transformers' losses and norms trained the same way (the
+    --calculate-per-token-loss, and under full activation recompute) give transformers' losses and norms trained the same way (the
     two router losses in the reference from transformers' router logits), and megatron's
     validation after them transformers' loss of the model trained (the unpatched run: 2 ranks,
     TP2 x EP2 x ETP1). After one step
@@ -480,6 +480,13 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     per_token = _launched_steps(ckpt, prefix, tmp_path / "per_token",
                                 [*dp2, "--calculate-per-token-loss"], nproc=4, iterations=steps,
                                 lr=lr, aux_loss_coeff=aux, z_loss_coeff=z_loss)
+    # full activation recompute: every layer's forward, router losses included, runs again in
+    # backward (on the CPU backend, a backward inside a backward: test_nested_backward_cpu.py)
+    recomputed = _launched_steps(ckpt, prefix, tmp_path / "recomputed",
+                                 [*dp2, "--recompute-granularity", "full", "--recompute-method",
+                                  "uniform", "--recompute-num-layers", "1"], nproc=4,
+                                 iterations=steps, lr=lr, aux_loss_coeff=aux,
+                                 z_loss_coeff=z_loss)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -510,7 +517,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
     assert not _differences(trained, reference), _differences(trained, reference)
     trained_steps = {tag: reference[tag] for tag in ("lm loss", "grad-norm")}
-    assert not _differences(per_token, trained_steps), _differences(per_token, trained_steps)
+    for run in (per_token, recomputed):
+        assert not _differences(run, trained_steps), _differences(run, trained_steps)
     for partial in (without_aux, without_z_loss):
         assert any("grad-norm" in line for line in _differences(trained, partial))
     first = {tag: {1: without_aux[tag][1]} for tag in ("lm loss", "grad-norm")}
