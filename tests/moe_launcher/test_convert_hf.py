@@ -439,22 +439,22 @@ def _assert_streamed_equals_megatrons_load(ckpt: Path) -> None:
 
 def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
         family_conversions, tmp_path):
-    """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR on 4 ranks, attention TP2 with
-    sequence parallelism, experts EP2 x ETP1, DP2 with the distributed optimizer and two
-    micro-batches per rank, and on 4 at PP2 x VPP2 x EP2 with the model's own tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids), judged by transformers'
-    own model on the same batch: the first logged loss is transformers' loss
-    (loss-over-real-vocabulary; without it megatron's loss takes the softmax over its 256 padded
-    rows too, whose zero rows give logits 0: the loss of transformers' logits padded with
-    zeros), the logged gradient norm is that of transformers' gradient (every parameter counted
-    once over TP, ETP, EP, PP and DP), and at TP2 x EP2 x ETP1 three AdamW steps with the
-    gradient clipped, megatron's load-balancing loss and router z-loss (also with
-    --calculate-per-token-loss, and under full activation recompute) give transformers' losses and norms trained the same way (the
-    two router losses in the reference from transformers' router logits), and megatron's
-    validation after them transformers' loss of the model trained (the unpatched run: 2 ranks,
-    TP2 x EP2 x ETP1). After one step
-    at lr 0 the launcher's own PP2 x VPP2 x EP2 checkpoint, optimizer state and all, exports
-    bit-identical with the run's tokenizer (issue 40): `from_pretrained` loads both, the token
-    ids are the source's, and the exported model's loss is the launcher's."""
+    """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR judged by transformers' own model
+    on the same batch. On 4 ranks, attention TP2 with sequence parallelism, experts EP2 x ETP1,
+    DP2 with the distributed optimizer and two micro-batches per rank: three AdamW steps with
+    the gradient clipped and megatron's load-balancing loss and router z-loss (also with
+    --calculate-per-token-loss, and under full activation recompute) log the losses and
+    gradient norms of transformers' model trained the same way (the two router losses in the
+    reference from its router logits; every parameter's gradient counted once over TP, ETP,
+    EP and DP), and the validation after them its loss of the model trained. On 4 ranks at
+    PP2 x VPP2 x EP2 with the model's own tokenizer (HuggingFaceTokenizer, a Qwen-like folder
+    of 119 ids): transformers' first loss and gradient norm. Unpatched (2 ranks, TP2 x EP2 x
+    ETP1, without loss-over-real-vocabulary) megatron's loss takes the softmax over its 256
+    padded rows too, whose zero rows give logits 0: the loss of transformers' logits padded
+    with zeros, and a norm off. After one step at lr 0 the PP2 x VPP2 x EP2 run's own
+    checkpoint, optimizer state and all, exports bit-identical with the run's tokenizer (issue
+    40): `from_pretrained` loads both, the token ids are the source's, and the exported
+    model's loss is the launcher's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     family, hf_dir, ckpt, _ = family_conversions("mixtral")
@@ -498,8 +498,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                               "--pipeline-model-parallel-layout", "E|t|t|L",
                               "--expert-model-parallel-size", "2", "--micro-batch-size", "1",
                               "--global-batch-size", "4", "--use-distributed-optimizer"], nproc=4,
-                             save=True, tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
-                                                   "--tokenizer-model", str(tmp_path / "tokenizer")))
+                             save=True,
+                             tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
+                                        "--tokenizer-model", str(tmp_path / "tokenizer")))
     unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched", tp2,
                                 env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
@@ -536,8 +537,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     print(f"{family}: at TP2 x EP2 x ETP1 losses {trained['lm loss']}, grad norms "
           f"{trained['grad-norm']}, validation {trained['lm loss validation']}; transformers' "
           f"{reference['lm loss']}, {reference['grad-norm']}, "
-          f"{reference['lm loss validation']}; at PP2 x VPP2 x EP2 loss {at_pp2['lm loss'][1]!r}, grad "
-          f"norm {at_pp2['grad-norm'][1]!r}; unpatched loss {unpatched['lm loss'][1]!r} "
+          f"{reference['lm loss validation']}; at PP2 x VPP2 x EP2 loss "
+          f"{at_pp2['lm loss'][1]!r}, grad norm {at_pp2['grad-norm'][1]!r}; unpatched loss "
+          f"{unpatched['lm loss'][1]!r} "
           f"(transformers' over 256 padded rows {with_padding!r}), grad norm "
           f"{unpatched['grad-norm'][1]!r}")
 
@@ -576,10 +578,10 @@ def test_global_aux_loss_trains_at_its_coefficient_as_the_reference_does(family_
     layout = ["--expert-model-parallel-size", "2", "--micro-batch-size", "1",
               "--global-batch-size", "4", "--moe-router-load-balancing-type", "global_aux_loss"]
     steps, lr, coeff = 3, 1e-3, 0.1
+    without_fix = {"MEGATRON_PATCHES_DISABLE": "global-aux-loss-dp-scale"}
     runs = {name: _launched_steps(ckpt, corpus, tmp_path / name, layout, iterations=steps, lr=lr,
                                   aux_loss_coeff=coeff, env=env)
-            for name, env in (("patched", None),
-                              ("unpatched", {"MEGATRON_PATCHES_DISABLE": "global-aux-loss-dp-scale"}))}
+            for name, env in (("patched", None), ("unpatched", without_fix))}
     reference = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=coeff)
     at_its_dp_share = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=coeff / 2)
     assert not _differences(runs["patched"], reference), _differences(runs["patched"], reference)
@@ -858,8 +860,8 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     # gradients are off (Megatron-LM #6660).
     reference = _transformers_steps(hf_dir, tokens, 3, 1e-3, evaluate=True)
     fp32 = [flag for flag in MEGATRON_FSDP if flag != "--bf16"]
-    for name, env in (("fp32", None),
-                      ("fp32_unpatched", {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"})):
+    without_fix = {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"}
+    for name, env in (("fp32", None), ("fp32_unpatched", without_fix)):
         _launched_losses(4, [*flags, *fp32, "--global-batch-size", "8"], tmp_path / name, corpus,
                          *load, "--expert-model-parallel-size", "2",
                          "--expert-tensor-parallel-size", "2", "--train-iters", "3", "--lr", "1e-3",
