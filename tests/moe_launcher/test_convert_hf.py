@@ -291,22 +291,25 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
     root/trained at the end; with `evaluate`, one validation iteration after the last step):
     the `lm loss` and `grad-norm` TensorBoard has for each iteration, and `lm loss
     validation`."""
-    from _launch import launch, tensorboard_scalars
-
     flags = (ckpt / "model_flags.txt").read_text().split()
     saving = (["--save", str(root / "trained"), "--save-interval", str(iterations)]
               if save else [])
     evaluation = (["--split", "50,50,0", "--eval-iters", "1", "--eval-interval", str(iterations)]
                   if evaluate else [])
     z_loss = ["--moe-z-loss-coeff", repr(z_loss_coeff)] if z_loss_coeff is not None else []
-    launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "2",
-                   "--global-batch-size", "2", *layout, "--moe-token-dispatcher-type", "alltoall",
-                   *tokenizer, "--data-path", corpus, "--split", "100,0,0",
-                   "--data-cache-path", str(root / "cache"), "--train-iters", str(iterations),
-                   "--lr", repr(lr), *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", repr(aux_loss_coeff),
-                   "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-                   "--tensorboard-dir", str(root / "tb"), "--load", str(ckpt), *saving,
-                   "--ckpt-format", "torch_dist", *evaluation, *z_loss], env=env).check()
+    _launched_losses(nproc, flags, root, corpus, "--micro-batch-size", "2",
+                     "--global-batch-size", "2", *layout, *tokenizer,
+                     "--train-iters", str(iterations), "--lr", repr(lr), *OPTIMIZER_FLAGS,
+                     "--moe-aux-loss-coeff", repr(aux_loss_coeff), "--load", str(ckpt), *saving,
+                     "--ckpt-format", "torch_dist", *evaluation, *z_loss, env=env)
+    return _logged(root)
+
+
+def _logged(root: Path) -> dict[str, dict[int, float]]:
+    """What a launch into `root` logged to TensorBoard, by tag and iteration: the values the
+    reference (_transformers_steps) gives."""
+    from _launch import tensorboard_scalars
+
     return {tag: tensorboard_scalars(root / "tb", tag)
             for tag in ("lm loss", "grad-norm", "lm loss validation")}
 
@@ -867,10 +870,7 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
                          "--expert-tensor-parallel-size", "2", "--train-iters", "3", "--lr", "1e-3",
                          *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", "--split", "50,50,0",
                          "--eval-iters", "1", "--eval-interval", "3", env=env)
-    from _launch import tensorboard_scalars
-
-    steps = {name: {tag: tensorboard_scalars(tmp_path / name / "tb", tag) for tag in reference}
-             for name in ("fp32", "fp32_unpatched")}
+    steps = {name: _logged(tmp_path / name) for name in ("fp32", "fp32_unpatched")}
     assert not _differences(steps["fp32"], reference), _differences(steps["fp32"], reference)
     assert f"iteration 1: launcher's grad-norm" in " ".join(
         _differences(steps["fp32_unpatched"], reference)), steps["fp32_unpatched"]
