@@ -8,6 +8,7 @@ are undone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -256,19 +257,86 @@ def test_export_keeps_the_source_models_token_ids_and_generation_config(family_c
     assert "sets num_hidden_layers=3, but the checkpoint's model has 2" in line, line
 
 
+def _corpus(prefix: str, documents: list[torch.Tensor]) -> None:
+    """An indexed dataset of `documents` (token ids), written by megatron's own builder."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for document in documents:
+        builder.add_item(document)
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
 def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
     """Two documents of `tokens` repeated: every sample megatron's GPTDataset cuts from them
     (seq_length + 1 tokens from a multiple of seq_length, in any shuffled order, across epochs
     and documents) is the same, `tokens` followed by its first token; `--split 50,50,0` gives
     training and validation a document each."""
-    import numpy
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    _corpus(prefix, [tokens.repeat(8)] * 2)
 
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
-    for _ in range(2):
-        builder.add_item(tokens.repeat(8))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
+
+def _random_corpus(prefix: str, seed: int) -> None:
+    """40 documents of 20 to 200 random token ids (below the NullTokenizer's end-of-document
+    id): samples that differ, and cross documents."""
+    draw = torch.Generator().manual_seed(seed)
+    _corpus(prefix, [torch.randint(0, VOCAB - 1, (int(length),), generator=draw)
+                     for length in torch.randint(20, 201, (40,), generator=draw)])
+
+
+@dataclasses.dataclass
+class Batches:
+    """What a launch over a corpus trains and validates on: `train[i]` the tokens and labels of
+    iteration i + 1's global batch, `validation` those of the validation batch whose loss
+    TensorBoard keeps (each [global batch, SEQ])."""
+    train: list[tuple[torch.Tensor, torch.Tensor]]
+    validation: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _megatron_batches(prefix: str, steps: int, global_batch: int,
+                      evaluate: bool = False) -> Batches:
+    """The global batches a launch of `steps` iterations over `prefix` (`--split 50,50,0`, as
+    _launched_steps sets it) trains on, read from megatron's own GPTDataset built as the
+    launcher builds it (BlendedMegatronDatasetBuilder, megatron's default seed, the sizes
+    megatron's training loop asks for), in the order megatron's pretraining sampler takes them:
+    iteration i's global batch is samples [(i - 1) * global_batch, i * global_batch), which
+    the data-parallel ranks and micro-batches share out among themselves. With `evaluate`
+    (one validation iteration every `steps`), megatron evaluates at the last iteration twice,
+    in its training loop and again after it, each time on the next validation batch, and
+    logs both at that iteration: TensorBoard keeps the second, samples
+    [global_batch, 2 * global_batch) of the validation split. Launches of fewer
+    steps or another global batch read a prefix of the same samples where the training split
+    holds them in one epoch (checked here; a corpus of one repeated sequence needs no check:
+    every sample is the same)."""
+    import numpy
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    config = GPTDatasetConfig(
+        random_seed=1234, sequence_length=SEQ, blend=([prefix], None), split="50,50,0",
+        path_to_cache=f"{prefix}_reference_cache", reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False,
+        tokenizer=MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"},
+                                                    vocab_size=VOCAB))
+    sizes = [steps * global_batch, 2 * global_batch if evaluate else 0, 0]
+    train, validation, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True,
+                                                         config).build()
+
+    def batch(dataset, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = [dataset[index] for index in range(first, first + global_batch)]
+        assert all(bool(sample["loss_mask"].all()) for sample in samples)  # plain token means
+        return tuple(torch.stack([sample[key] for sample in samples])
+                     for key in ("tokens", "labels"))
+
+    batches = Batches([batch(train, step * global_batch) for step in range(steps)],
+                      batch(validation, global_batch) if evaluate else None)
+    one_epoch = len(numpy.unique(train.document_index)) == len(train.document_index)
+    tokens = torch.cat([tokens for tokens, _ in batches.train])
+    assert one_epoch or bool((tokens == tokens[0]).all()), prefix
+    return batches
 
 
 # How the launches below train (megatron's optimizer: torch's AdamW without TE or apex, the
@@ -285,8 +353,8 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
                     nproc: int = 2, iterations: int = 1, lr: float = 0.0,
                     evaluate: bool = False, aux_loss_coeff: float = 0.0,
                     z_loss_coeff: float | None = None) -> dict[str, dict[int, float]]:
-    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks at `layout`,
-    `iterations` steps at `lr` with megatron's load-balancing loss (`aux_loss`) at
+    """pretrain_moe.py $(cat model_flags.txt) --load CKPT on `nproc` ranks over `corpus` at
+    `layout`, `iterations` steps at `lr` with megatron's load-balancing loss (`aux_loss`) at
     `aux_loss_coeff` and its router z-loss at `z_loss_coeff` (with `save`, saved into
     root/trained at the end; with `evaluate`, one validation iteration after the last step):
     the `lm loss` and `grad-norm` TensorBoard has for each iteration, and `lm loss
@@ -294,8 +362,7 @@ def _launched_steps(ckpt: Path, corpus: str, root: Path, layout: list[str], save
     flags = (ckpt / "model_flags.txt").read_text().split()
     saving = (["--save", str(root / "trained"), "--save-interval", str(iterations)]
               if save else [])
-    evaluation = (["--split", "50,50,0", "--eval-iters", "1", "--eval-interval", str(iterations)]
-                  if evaluate else [])
+    evaluation = ["--eval-iters", "1", "--eval-interval", str(iterations)] if evaluate else []
     z_loss = ["--moe-z-loss-coeff", repr(z_loss_coeff)] if z_loss_coeff is not None else []
     _launched_losses(nproc, flags, root, corpus, "--micro-batch-size", "2",
                      "--global-batch-size", "2", *layout, *tokenizer,
@@ -315,65 +382,78 @@ def _logged(root: Path) -> dict[str, dict[int, float]]:
 
 
 def _switch_load_balancing_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
-                                coeff: float) -> torch.Tensor:
+                                coeff: float, micro_batches: int) -> torch.Tensor:
     """The Switch Transformer's load-balancing loss as megatron documents its `aux_loss`
     (moe_utils.switch_load_balancing_loss_func), summed over layers, from the router logits of
-    transformers' model: per layer coeff * E / (k * T^2) * sum_e (sum_t p_te) * n_e, p the
-    softmax over all E experts, n_e the tokens whose top k choose e (no gradient through n).
-    transformers' own `load_balancing_loss_func` averages over layers together instead."""
+    transformers' model: per layer and micro-batch coeff * E / (k * T^2) * sum_e (sum_t p_te) *
+    n_e over the micro-batch's T tokens, p the softmax over all E experts, n_e the tokens whose
+    top k choose e (no gradient through n); megatron's training step averages it over the
+    `micro_batches` (of the global batch: every rank's, one sample each) that the logits' rows
+    are, in order. transformers' own `load_balancing_loss_func` averages over layers together
+    instead."""
     total = torch.zeros(())
-    for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)
-        tokens, experts = probs.shape
-        chosen = torch.zeros(experts).scatter_add_(
-            0, logits.topk(top_k, dim=-1).indices.flatten(), torch.ones(tokens * top_k))
-        total = total + coeff * experts / (top_k * tokens ** 2) * (probs.sum(0) * chosen).sum()
+    for layer in router_logits:
+        for logits in layer.chunk(micro_batches):
+            probs = torch.softmax(logits.float(), dim=-1)
+            tokens, experts = probs.shape
+            chosen = torch.zeros(experts).scatter_add_(
+                0, logits.topk(top_k, dim=-1).indices.flatten(), torch.ones(tokens * top_k))
+            total = total + (coeff * experts / (top_k * tokens ** 2)
+                             * (probs.sum(0) * chosen).sum() / micro_batches)
     return total
 
 
 def _router_z_loss(router_logits: tuple[torch.Tensor, ...], coeff: float) -> torch.Tensor:
     """ST-MoE's router z-loss, megatron's `--moe-z-loss-coeff`, summed over layers: per layer
-    coeff * the mean over tokens of logsumexp(logits)^2."""
+    coeff * the mean over tokens of logsumexp(logits)^2 (each micro-batch's mean, averaged over
+    micro-batches of equal length: the mean over the global batch)."""
     return sum((coeff * torch.logsumexp(logits.float(), dim=-1).square().mean()
                 for logits in router_logits), torch.zeros(()))
 
 
-def _transformers_steps(hf_dir: Path, tokens: torch.Tensor, steps: int, lr: float,
-                        evaluate: bool = False, aux_loss_coeff: float = 0.0,
+def _token_loss(model, batch: tuple[torch.Tensor, torch.Tensor], **options):
+    """transformers' model on a batch: its output and the mean token loss over the batch."""
+    tokens, labels = batch
+    output = model(tokens, **options)
+    return output, torch.nn.functional.cross_entropy(output.logits.flatten(0, 1),
+                                                     labels.flatten())
+
+
+def _transformers_steps(hf_dir: Path, batches: Batches, lr: float, evaluate: bool = False,
+                        aux_loss_coeff: float = 0.0,
                         z_loss_coeff: float = 0.0) -> dict[str, dict[int, float]]:
-    """The reference: transformers' own model (fp32) trained `steps` steps on the one sequence
-    every sample of the periodic corpus is, as megatron trains (the mean token loss plus, at
-    `aux_loss_coeff`, megatron's load-balancing loss on the model's router logits and, at
-    `z_loss_coeff`, the router z-loss; the gradient clipped to CLIP, AdamW without weight
-    decay at a constant lr): each step's token
-    loss and gradient norm before clipping, by iteration, and with `evaluate` the loss after
-    the last step (megatron's validation at that iteration). (torch's optimizer sets
-    TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank server.)"""
+    """The reference: transformers' own model (fp32) trained a step on each of `batches`'
+    global batches as megatron trains (the mean token loss plus, at `aux_loss_coeff`,
+    megatron's load-balancing loss on the model's router logits, each sample a micro-batch,
+    and, at `z_loss_coeff`, the router z-loss; the gradient clipped to CLIP, AdamW without
+    weight decay at a constant lr): each step's token loss and gradient norm before clipping,
+    by iteration, and with `evaluate` the loss on the validation batch after the last step
+    (megatron's validation at that iteration). (torch's optimizer sets
+    TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank
+    server.)"""
     from transformers import AutoModelForCausalLM
 
     from _megatron_cpu import environment_kept
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).train()
-    labels = torch.cat([tokens[1:], tokens[:1]])
     taken = {"lm loss": {}, "grad-norm": {}}
     with environment_kept():
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                       weight_decay=0.0)
-        for iteration in range(1, steps + 1):
+        for iteration, batch in enumerate(batches.train, start=1):
             optimizer.zero_grad()
-            output = model(tokens[None], output_router_logits=True)
-            loss = torch.nn.functional.cross_entropy(output.logits[0], labels)
+            output, loss = _token_loss(model, batch, output_router_logits=True)
             (loss + _switch_load_balancing_loss(output.router_logits,
                                                 model.config.num_experts_per_tok,
-                                                aux_loss_coeff)
+                                                aux_loss_coeff, len(batch[0]))
              + _router_z_loss(output.router_logits, z_loss_coeff)).backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             optimizer.step()
             taken["lm loss"][iteration], taken["grad-norm"][iteration] = loss.item(), norm.item()
     if evaluate:
         with torch.no_grad():
-            loss = torch.nn.functional.cross_entropy(model(tokens[None]).logits[0], labels)
-        taken["lm loss validation"] = {steps: loss.item()}
+            _, loss = _token_loss(model, batches.validation)
+        taken["lm loss validation"] = {len(batches.train): loss.item()}
     return taken
 
 
@@ -386,6 +466,16 @@ def _differences(launched: dict[str, dict[int, float]],
             for tag, values in reference.items() for iteration, value in values.items()
             if iteration not in launched[tag]
             or abs(launched[tag][iteration] - value) > 1e-5 * abs(value)]
+
+
+def _moved_by_training(launched: dict[str, dict[int, float]], hf_dir: Path, batches: Batches,
+                       **router_losses: float) -> bool:
+    """Whether a launch's last loss is off the loss transformers' model gives untrained (lr 0)
+    on the same batch by more than the tolerance: the steps before it moved the weights enough
+    for the comparison to see them."""
+    untrained = _transformers_steps(hf_dir, batches, 0.0, **router_losses)
+    return f"iteration {len(batches.train)}: launcher's lm loss " in " ".join(
+        _differences(launched, untrained))
 
 
 def _qwen_like_tokenizer(folder: Path) -> list[str]:
@@ -443,13 +533,16 @@ def _assert_streamed_equals_megatrons_load(ckpt: Path) -> None:
 def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
         family_conversions, tmp_path):
     """pretrain_moe.py $(cat model_flags.txt) --load OUT_DIR judged by transformers' own model
-    on the same batch. On 4 ranks, attention TP2 with sequence parallelism, experts EP2 x ETP1,
-    DP2 with the distributed optimizer and two micro-batches per rank: three AdamW steps with
-    the gradient clipped and megatron's load-balancing loss and router z-loss (also with
-    --calculate-per-token-loss, and under full activation recompute) log the losses and
-    gradient norms of transformers' model trained the same way (the two router losses in the
-    reference from its router logits; every parameter's gradient counted once over TP, ETP,
-    EP and DP), and the validation after them its loss of the model trained. On 4 ranks at
+    on the same batches: megatron's GPTDataset's, read here by megatron's own builder, every
+    sample another stretch of the tokenizer's texts. On 4 ranks, attention TP2 with sequence
+    parallelism, experts EP2 x ETP1, DP2 with the distributed optimizer and two micro-batches
+    per rank: three AdamW steps with the gradient clipped and megatron's load-balancing loss
+    and router z-loss (also with --calculate-per-token-loss, and under full activation
+    recompute) log the losses and gradient norms of transformers' model trained the same way
+    (the two router losses in the reference from its router logits; every parameter's
+    gradient counted once over TP, ETP, EP and DP, each data-parallel rank's samples in it:
+    the reference on one rank's samples is off), and the validation after them its loss of
+    the model trained. On 4 ranks at
     PP2 x VPP2 x EP2 with the model's own tokenizer (HuggingFaceTokenizer, a Qwen-like folder
     of 119 ids): transformers' first loss and gradient norm. Unpatched (2 ranks, TP2 x EP2 x
     ETP1, without loss-over-real-vocabulary) megatron's loss takes the softmax over its 256
@@ -464,9 +557,9 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     texts = _qwen_like_tokenizer(tmp_path / "tokenizer")
     source_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
     assert len(source_tokenizer) == 119
-    tokens = torch.tensor(source_tokenizer(texts[0])["input_ids"][:SEQ])
+    # the tokenizer's texts, a document each: every sample another sequence
     prefix = str(tmp_path / "corpus_text_document")
-    _periodic_corpus(prefix, tokens)
+    _corpus(prefix, [torch.tensor(ids) for ids in source_tokenizer(texts)["input_ids"]])
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     steps, lr = 3, 1e-3
@@ -504,22 +597,33 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                              save=True,
                              tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
                                         "--tokenizer-model", str(tmp_path / "tokenizer")))
-    unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched", tp2,
+    unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched",
+                                [*tp2, "--global-batch-size", "4"],
                                 env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
-    reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True,
+    # Every launch above trains on global batches of 4 (their first iterations the same)
+    batches = _megatron_batches(prefix, steps, 4, evaluate=True)
+    tokens, labels = batches.train[0]
+    assert len({tuple(sample.tolist()) for sample in tokens}) == 4
+    reference = _transformers_steps(hf_dir, batches, lr, evaluate=True,
                                     aux_loss_coeff=aux, z_loss_coeff=z_loss)
-    without_aux = _transformers_steps(hf_dir, tokens, steps, lr)
-    without_z_loss = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=aux)
+    without_aux = _transformers_steps(hf_dir, batches, lr)
+    without_z_loss = _transformers_steps(hf_dir, batches, lr, aux_loss_coeff=aux)
+    # DP rank 0's samples (the first of each pair the sampler shares out): what a run whose
+    # data-parallel ranks did not add up their gradients would train each rank on
+    one_rank = Batches([(tokens[0::2], labels[0::2]) for tokens, labels in batches.train], None)
+    on_one_rank = _transformers_steps(hf_dir, one_rank, lr, aux_loss_coeff=aux,
+                                      z_loss_coeff=z_loss)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(
-            tokens[None]).logits[0]
-    labels = torch.cat([tokens[1:], tokens[:1]])
-    expected = torch.nn.functional.cross_entropy(logits, labels).item()
+            tokens).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
     assert abs(reference["lm loss"][1] - expected) < 1e-6 * expected  # the same forward
-    padded = torch.cat([logits, logits.new_zeros(SEQ, 256 - VOCAB)], dim=-1)
-    with_padding = torch.nn.functional.cross_entropy(padded, labels).item()
+    padded = torch.cat([logits, logits.new_zeros(*logits.shape[:2], 256 - VOCAB)], dim=-1)
+    with_padding = torch.nn.functional.cross_entropy(padded.flatten(0, 1),
+                                                     labels.flatten()).item()
     assert not _differences(trained, reference), _differences(trained, reference)
+    assert "iteration 1: launcher's grad-norm" in " ".join(_differences(trained, on_one_rank))
     trained_steps = {tag: reference[tag] for tag in ("lm loss", "grad-norm")}
     for run in (per_token, recomputed):
         assert not _differences(run, trained_steps), _differences(run, trained_steps)
@@ -527,8 +631,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
         assert any("grad-norm" in line for line in _differences(trained, partial))
     first = {tag: {1: without_aux[tag][1]} for tag in ("lm loss", "grad-norm")}
     assert not _differences(at_pp2, first), _differences(at_pp2, first)
-    # The steps moved the loss far past the tolerance, and clipping acted (a norm above CLIP).
-    assert reference["lm loss"][1] - reference["lm loss"][steps] > 1e-2
+    # The steps moved the weights far past the tolerance, and clipping acted (a norm above CLIP).
+    assert _moved_by_training(trained, hf_dir, batches, aux_loss_coeff=aux, z_loss_coeff=z_loss)
     assert reference["grad-norm"][1] > CLIP
     assert abs(unpatched["lm loss"][1] - with_padding) < 2e-4 * with_padding, (
         unpatched, with_padding)
@@ -560,8 +664,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32)
     assert exported.config.vocab_size == VOCAB
     with torch.no_grad():
-        exported_loss = torch.nn.functional.cross_entropy(
-            exported.eval()(tokens[None]).logits[0], labels).item()
+        exported_loss = _token_loss(exported.eval(), batches.train[0])[1].item()
     pp2_loss = at_pp2["lm loss"][1]
     assert abs(exported_loss - pp2_loss) < 2e-4 * pp2_loss, (exported_loss, pp2_loss)
 
@@ -585,8 +688,9 @@ def test_global_aux_loss_trains_at_its_coefficient_as_the_reference_does(family_
     runs = {name: _launched_steps(ckpt, corpus, tmp_path / name, layout, iterations=steps, lr=lr,
                                   aux_loss_coeff=coeff, env=env)
             for name, env in (("patched", None), ("unpatched", without_fix))}
-    reference = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=coeff)
-    at_its_dp_share = _transformers_steps(hf_dir, tokens, steps, lr, aux_loss_coeff=coeff / 2)
+    batches = _megatron_batches(corpus, steps, 4)
+    reference = _transformers_steps(hf_dir, batches, lr, aux_loss_coeff=coeff)
+    at_its_dp_share = _transformers_steps(hf_dir, batches, lr, aux_loss_coeff=coeff / 2)
     assert not _differences(runs["patched"], reference), _differences(runs["patched"], reference)
     assert any("grad-norm" in line for line in _differences(runs["unpatched"], reference))
     assert not _differences(runs["unpatched"], at_its_dp_share), (
@@ -602,16 +706,16 @@ def test_tied_embeddings_train_as_transformers_does_across_pipeline_stages(famil
     tied model trained the same way, and the validation after them its loss (1e-5)."""
     _, hf_dir, ckpt, _ = family_conversions("qwen3_moe_tied")
     assert "--untie-embeddings-and-output-weights" not in (ckpt / "model_flags.txt").read_text()
-    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(2))
     corpus = str(tmp_path / "corpus_text_document")
-    _periodic_corpus(corpus, tokens)
+    _random_corpus(corpus, seed=2)
     steps, lr = 3, 1e-3
     trained = _launched_steps(ckpt, corpus, tmp_path,
                               ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
                               iterations=steps, lr=lr, evaluate=True)
-    reference = _transformers_steps(hf_dir, tokens, steps, lr, evaluate=True)
+    batches = _megatron_batches(corpus, steps, 2, evaluate=True)
+    reference = _transformers_steps(hf_dir, batches, lr, evaluate=True)
     assert not _differences(trained, reference), _differences(trained, reference)
-    assert reference["lm loss"][1] - reference["lm loss"][steps] > 1e-2
+    assert _moved_by_training(trained, hf_dir, batches)
     print(f"tied Qwen3-MoE at PP2: {trained}; transformers' {reference}")
 
 
@@ -800,14 +904,14 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-f
 
 def _launched_losses(nproc: int, flags: list[str], root: Path, corpus: str, *layout: str,
                      env: dict | None = None, fails: bool = False):
-    """pretrain_moe.py on `nproc` ranks over the periodic corpus (a micro-batch of 1 per data
-    parallel rank): the launch (checked to succeed, or with `fails` to fail) and the losses
+    """pretrain_moe.py on `nproc` ranks over `corpus` (half its documents for validation, as
+    _megatron_batches reads them; a micro-batch of 1 per data-parallel rank): the launch (checked to succeed, or with `fails` to fail) and the losses
     TensorBoard has."""
     from _launch import launch, tensorboard_scalars
 
     run = launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "1",
                          "--tokenizer-type", "NullTokenizer", "--data-path", corpus,
-                         "--split", "100,0,0", "--data-cache-path", str(root / "cache"),
+                         "--split", "50,50,0", "--data-cache-path", str(root / "cache"),
                          "--moe-token-dispatcher-type", "alltoall", "--eval-iters", "0",
                          "--eval-interval", "1000", "--log-interval", "1",
                          "--tensorboard-dir", str(root / "tb"), *layout], env=env)
@@ -830,16 +934,18 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     from transformers import AutoModelForCausalLM
 
     _, hf_dir, ckpt, _ = family_conversions("qwen3_moe")
-    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(1))
     corpus = str(tmp_path / "corpus_text_document")
-    _periodic_corpus(corpus, tokens)
-    labels = torch.cat([tokens[1:], tokens[:1]])
+    _random_corpus(corpus, seed=1)
+    # what the fp32 launches below train on; a launch of another global batch starts on the
+    # first samples of the first of them
+    batches = _megatron_batches(corpus, 3, 8, evaluate=True)
 
-    def transformers_loss(folder: Path) -> float:
+    def transformers_loss(folder: Path, samples: int) -> float:
+        """transformers' loss of the model in `folder` on a launch's first global batch."""
+        tokens, labels = batches.train[0]
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(tokens[None]).logits[0],
-                                                     labels).item()
+            return _token_loss(model, (tokens[:samples], labels[:samples]))[1].item()
 
     convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp_import", "--transformer-impl", "local")
     flags = (ckpt / "model_flags.txt").read_text().split()
@@ -855,21 +961,21 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
         "--train-iters", "3", "--lr", "1e-2", "--save", str(tmp_path / "trained"),
         "--save-interval", "3")
-    imported = transformers_loss(hf_dir)
+    imported = transformers_loss(hf_dir, 4)
     assert abs(trained[1] - imported) < 1e-2 * imported, (trained, imported)
     # The same layout in fp32 with two micro-batches per rank (dense DP 4, expert DP 1): three
     # steps give transformers' losses and gradient norms trained the same way, the validation
     # after them its loss of the model trained; without fsdp-one-rank-grad-scaling the experts'
     # gradients are off (Megatron-LM #6660).
-    reference = _transformers_steps(hf_dir, tokens, 3, 1e-3, evaluate=True)
+    reference = _transformers_steps(hf_dir, batches, 1e-3, evaluate=True)
     fp32 = [flag for flag in MEGATRON_FSDP if flag != "--bf16"]
     without_fix = {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"}
     for name, env in (("fp32", None), ("fp32_unpatched", without_fix)):
         _launched_losses(4, [*flags, *fp32, "--global-batch-size", "8"], tmp_path / name, corpus,
                          *load, "--expert-model-parallel-size", "2",
                          "--expert-tensor-parallel-size", "2", "--train-iters", "3", "--lr", "1e-3",
-                         *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", "--split", "50,50,0",
-                         "--eval-iters", "1", "--eval-interval", "3", env=env)
+                         *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", "--eval-iters", "1",
+                         "--eval-interval", "3", env=env)
     steps = {name: _logged(tmp_path / name) for name in ("fp32", "fp32_unpatched")}
     assert not _differences(steps["fp32"], reference), _differences(steps["fp32"], reference)
     assert f"iteration 1: launcher's grad-norm" in " ".join(
@@ -883,9 +989,9 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
         corpus, "--load", str(tmp_path / "torch_dist"), "--pipeline-model-parallel-size", "2",
         "--pipeline-model-parallel-layout", "E|t|t|L", "--train-iters", "1", "--lr", "0.0")
     assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2\n", pipelined.log)
-    exported = transformers_loss(tmp_path / "exported")
+    exported = transformers_loss(tmp_path / "exported", 2)
     assert abs(resumed[1] - exported) < 2e-4 * exported, (resumed, exported)
-    assert imported - exported > 1e-2  # three steps on one repeated sample moved the weights
+    assert transformers_loss(hf_dir, 2) - exported > 1e-2  # three steps moved the weights
     print(f"first loss from the import under Megatron-FSDP {trained[1]!r} (transformers' "
           f"{imported!r}); after 3 steps, at PP2 x VPP2 from to-torch-dist {resumed[1]!r}, "
           f"transformers' on export-hf's {exported!r}")
