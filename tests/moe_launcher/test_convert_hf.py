@@ -537,8 +537,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     sample another stretch of the tokenizer's texts. On 4 ranks, attention TP2 with sequence
     parallelism, experts EP2 x ETP1, DP2 with the distributed optimizer and two micro-batches
     per rank: three AdamW steps with the gradient clipped and megatron's load-balancing loss
-    and router z-loss (also with --calculate-per-token-loss, and under full activation
-    recompute) log the losses and gradient norms of transformers' model trained the same way
+    and router z-loss (also with --calculate-per-token-loss, under full activation recompute,
+    and as seq_aux_loss with two sequences a micro-batch) log the losses and gradient norms of transformers' model trained the same way
     (the two router losses in the reference from its router logits; every parameter's
     gradient counted once over TP, ETP, EP and DP, each data-parallel rank's samples in it:
     the reference on one rank's samples is off), and the validation after them its loss of
@@ -583,6 +583,14 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                                   "uniform", "--recompute-num-layers", "1"], nproc=4,
                                  iterations=steps, lr=lr, aux_loss_coeff=aux,
                                  z_loss_coeff=z_loss)
+    # DeepSeek's sequence-wise balance loss (the DeepSeek-V2-Lite recipe's): each sequence's
+    # own Switch loss, averaged; with two sequences a micro-batch, each split over the TP ranks
+    # by sequence parallelism, it must give what aux_loss gives with a sequence a micro-batch
+    per_sequence = _launched_steps(ckpt, prefix, tmp_path / "per_sequence",
+                                   [*dp2, "--micro-batch-size", "2",
+                                    "--moe-router-load-balancing-type", "seq_aux_loss"],
+                                   nproc=4, iterations=steps, lr=lr, aux_loss_coeff=aux,
+                                   z_loss_coeff=z_loss)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -625,7 +633,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     assert not _differences(trained, reference), _differences(trained, reference)
     assert "iteration 1: launcher's grad-norm" in " ".join(_differences(trained, on_one_rank))
     trained_steps = {tag: reference[tag] for tag in ("lm loss", "grad-norm")}
-    for run in (per_token, recomputed):
+    for run in (per_token, recomputed, per_sequence):
         assert not _differences(run, trained_steps), _differences(run, trained_steps)
     for partial in (without_aux, without_z_loss):
         assert any("grad-norm" in line for line in _differences(trained, partial))
