@@ -677,6 +677,33 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     assert abs(exported_loss - pp2_loss) < 2e-4 * pp2_loss, (exported_loss, pp2_loss)
 
 
+def test_the_pipeline_recipes_flags_train_as_transformers_does(family_conversions, tmp_path):
+    """The GPU pipeline recipes' data-parallel flags (examples/moe/recipes/*_pp.sh: the
+    distributed optimizer with --overlap-grad-reduce and --overlap-param-gather, and
+    _gpu_common.sh's --moe-router-dtype fp32) at PP2 x EP2 x DP2 on 4 ranks, two micro-batches
+    per rank of distinct samples, with the load-balancing loss and router z-loss: three steps
+    log the losses and gradient norms of transformers' model trained the same way (1e-5), each
+    step's gradients reduced and its parameters gathered before they are used. Twice: with the
+    interleaved schedule (PP2 x VPP2, a virtual stage a layer, a bucket each) and at PP2 with
+    buckets of 4,000 parameters (several a stage, each reduced and gathered on its own)."""
+    _, hf_dir, ckpt, _ = family_conversions("mixtral")
+    corpus = str(tmp_path / "corpus_text_document")
+    _random_corpus(corpus, seed=4)
+    steps, lr, router_losses = 3, 1e-3, {"aux_loss_coeff": 0.1, "z_loss_coeff": 1e-2}
+    recipe = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+              "--micro-batch-size", "1", "--global-batch-size", "4",
+              "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+              "--moe-router-dtype", "fp32"]
+    batches = _megatron_batches(corpus, steps, 4)
+    reference = _transformers_steps(hf_dir, batches, lr, **router_losses)
+    for name, layout in (("interleaved", ["--pipeline-model-parallel-layout", "E|t|t|L"]),
+                         ("buckets", ["--ddp-bucket-size", "4000"])):
+        trained = _launched_steps(ckpt, corpus, tmp_path / name, [*recipe, *layout], nproc=4,
+                                  iterations=steps, lr=lr, **router_losses)
+        assert not _differences(trained, reference), (name, _differences(trained, reference))
+    assert _moved_by_training(trained, hf_dir, batches, **router_losses)
+
+
 def test_global_aux_loss_trains_at_its_coefficient_as_the_reference_does(family_conversions,
                                                                         tmp_path):
     """`--moe-router-load-balancing-type global_aux_loss` at DP2 (2 ranks, EP2, two micro-batches
