@@ -965,7 +965,9 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     checkpoint leaves both ways: `to-torch-dist` resumes at PP2 x VPP2 in fp32, and `export-hf`
     reads it directly; that run's first loss is transformers' own loss of the exported model
     (fp32 on the same bf16-rounded weights: 2e-4), which the training moved off the import's.
-    A partial fsdp_dtensor checkpoint and a damaged one are refused in one line."""
+    In fp32 at EP2 x ETP2 and at EP2 x ETP1 (expert DP 2) with the router losses on, three steps
+    on batches of distinct samples train as transformers' model does (1e-5). A partial
+    fsdp_dtensor checkpoint and a damaged one are refused in one line."""
     from transformers import AutoModelForCausalLM
 
     _, hf_dir, ckpt, _ = family_conversions("qwen3_moe")
@@ -1001,20 +1003,31 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     # The same layout in fp32 with two micro-batches per rank (dense DP 4, expert DP 1): three
     # steps give transformers' losses and gradient norms trained the same way, the validation
     # after them its loss of the model trained; without fsdp-one-rank-grad-scaling the experts'
-    # gradients are off (Megatron-LM #6660).
-    reference = _transformers_steps(hf_dir, batches, 1e-3, evaluate=True)
+    # gradients are off (Megatron-LM #6660). At EP2 x ETP1 (expert DP 2: the recipes' experts
+    # sharded over their data-parallel ranks too) with the router losses on, the same.
+    aux, z_loss = 0.1, 1e-2
+    references = {"fp32": _transformers_steps(hf_dir, batches, 1e-3, evaluate=True),
+                  "fp32_expert_dp2": _transformers_steps(hf_dir, batches, 1e-3, evaluate=True,
+                                                         aux_loss_coeff=aux,
+                                                         z_loss_coeff=z_loss)}
     fp32 = [flag for flag in MEGATRON_FSDP if flag != "--bf16"]
-    without_fix = {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"}
-    for name, env in (("fp32", None), ("fp32_unpatched", without_fix)):
+    expert_dp1 = ["--expert-tensor-parallel-size", "2", "--moe-aux-loss-coeff", "0"]
+    runs = {"fp32": (expert_dp1, None),
+            "fp32_unpatched": (expert_dp1,
+                               {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"}),
+            "fp32_expert_dp2": (["--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff",
+                                 repr(aux), "--moe-z-loss-coeff", repr(z_loss)], None)}
+    for name, (layout, env) in runs.items():
         _launched_losses(4, [*flags, *fp32, "--global-batch-size", "8"], tmp_path / name, corpus,
-                         *load, "--expert-model-parallel-size", "2",
-                         "--expert-tensor-parallel-size", "2", "--train-iters", "3", "--lr", "1e-3",
-                         *OPTIMIZER_FLAGS, "--moe-aux-loss-coeff", "0", "--eval-iters", "1",
-                         "--eval-interval", "3", env=env)
-    steps = {name: _logged(tmp_path / name) for name in ("fp32", "fp32_unpatched")}
-    assert not _differences(steps["fp32"], reference), _differences(steps["fp32"], reference)
+                         *load, "--expert-model-parallel-size", "2", *layout,
+                         "--train-iters", "3", "--lr", "1e-3", *OPTIMIZER_FLAGS,
+                         "--eval-iters", "1", "--eval-interval", "3", env=env)
+    steps = {name: _logged(tmp_path / name) for name in runs}
+    for name in references:
+        assert not _differences(steps[name], references[name]), (
+            name, _differences(steps[name], references[name]))
     assert f"iteration 1: launcher's grad-norm" in " ".join(
-        _differences(steps["fp32_unpatched"], reference)), steps["fp32_unpatched"]
+        _differences(steps["fp32_unpatched"], references["fp32"])), steps["fp32_unpatched"]
 
     convert("to-torch-dist", tmp_path / "trained", tmp_path / "torch_dist")
     convert("export-hf", tmp_path / "trained", tmp_path / "exported")
