@@ -1027,12 +1027,13 @@ def _launched_losses(nproc: int, flags: list[str], root: Path, corpus: str, *lay
 def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dtensor(
         family_conversions, tmp_path, capsys):
     """Issues 40 and 37 in one chain, on a Qwen3-MoE import. `to-fsdp-dtensor` makes it a
-    release Megatron-FSDP loads: EP2 x ETP2, bf16, 4 ranks, whose first loss is transformers'
-    on the batch (bf16 forward: within 1%; fsdp-dtensor-release-load: without it megatron asks
-    the release for optimizer state and every rank fails). Three steps later its fsdp_dtensor
-    checkpoint leaves both ways: `to-torch-dist` resumes at PP2 x VPP2 in fp32, and `export-hf`
-    reads it directly; that run's first loss is transformers' own loss of the exported model
-    (fp32 on the same bf16-rounded weights: 2e-4), which the training moved off the import's.
+    release Megatron-FSDP loads: EP2 x ETP2, bf16, 4 ranks, whose first loss and gradient
+    norm are transformers' on the batch (bf16: within 1%; fsdp-dtensor-release-load: without it
+    megatron asks the release for optimizer state and every rank fails). Three steps later its
+    fsdp_dtensor checkpoint leaves both ways: `to-torch-dist` resumes at PP2 x VPP2 in fp32, and
+    `export-hf` reads it directly; that run's first loss is transformers' own loss of the
+    exported model (fp32 on the same bf16-rounded weights: 2e-4), which the training moved off
+    the import's.
     In fp32 at EP2 x ETP2 and at EP2 x ETP1 (expert DP 2) with the router losses on, three steps
     on batches of distinct samples train as transformers' model does (1e-5). A partial
     fsdp_dtensor checkpoint and a damaged one are refused in one line."""
@@ -1067,6 +1068,11 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
         "--save-interval", "3")
     imported = transformers_loss(hf_dir, 4)
     assert abs(trained[1] - imported) < 1e-2 * imported, (trained, imported)
+    # and the bf16 backward's first gradient norm transformers' fp32 one (measured: 0.3% off)
+    bf16_norm = _logged(tmp_path)["grad-norm"][1]
+    fp32_norm = _transformers_steps(hf_dir, Batches([batches.train[0].rows(slice(4))], None),
+                                    0.0)["grad-norm"][1]
+    assert abs(bf16_norm - fp32_norm) < 1e-2 * fp32_norm, (bf16_norm, fp32_norm)
     # The same layout in fp32 with two micro-batches per rank (dense DP 4, expert DP 1): three
     # steps give transformers' losses and gradient norms trained the same way, the validation
     # after them its loss of the model trained; without fsdp-one-rank-grad-scaling the experts'
