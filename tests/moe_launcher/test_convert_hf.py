@@ -443,16 +443,17 @@ def _transformers_steps(hf_dir: Path, batches: Batches, lr: float, evaluate: boo
     """The reference: transformers' own model (fp32) trained a step on each of `batches`'
     global batches as megatron trains (the token loss, each sample's mean over the tokens its
     loss mask keeps averaged over the samples, each a micro-batch, or with `per_token`
-    (--calculate-per-token-loss) the mean over the batch's kept tokens; plus, at `aux_loss_coeff`,
-    megatron's load-balancing loss on the model's router logits, each sample a micro-batch,
-    and, at `z_loss_coeff`, the router z-loss; the gradient clipped to CLIP, AdamW without
-    weight decay at a constant lr): each step's token loss and gradient norm before clipping,
-    by iteration, and with `evaluate` the loss on the validation batch after the last step
-    (megatron's validation at that iteration). With `router_losses_over_kept_tokens` both
-    router losses weigh each step's tokens over the tokens its loss masks keep: what
-    megatron-core 0.19.2 gives them under --calculate-per-token-loss (test_eod_mask_loss_*).
-    (torch's optimizer sets TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are
-    served by the rank server.)"""
+    (--calculate-per-token-loss) the mean over the batch's kept tokens; plus, at
+    `aux_loss_coeff`, megatron's load-balancing loss on the model's router logits, each
+    sample a micro-batch, and, at `z_loss_coeff`, the router z-loss; the gradient clipped to
+    CLIP, AdamW without weight decay at a constant lr): each step's token loss and gradient
+    norm before clipping, by iteration, and with `evaluate` the loss on the validation batch
+    after the last step (megatron's validation at that iteration). With
+    `router_losses_over_kept_tokens` both router losses weigh each step's tokens over the
+    tokens its loss masks keep: what megatron-core 0.19.2 gives them under
+    --calculate-per-token-loss (test_eod_mask_loss_*). (torch's optimizer sets
+    TORCHINDUCTOR_CACHE_DIR: put back, so that later launches are served by the rank
+    server.)"""
     from transformers import AutoModelForCausalLM
 
     from _megatron_cpu import environment_kept
@@ -565,13 +566,13 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     parallelism, experts EP2 x ETP1, DP2 with the distributed optimizer and two micro-batches
     per rank: three AdamW steps with the gradient clipped and megatron's load-balancing loss
     and router z-loss (also with --calculate-per-token-loss, under full activation recompute,
-    and as seq_aux_loss with two sequences a micro-batch) log the losses and gradient norms of transformers' model trained the same way
-    (the two router losses in the reference from its router logits; every parameter's
-    gradient counted once over TP, ETP, EP and DP, each data-parallel rank's samples in it:
-    the reference on one rank's samples is off), and the validation after them its loss of
-    the model trained. On 4 ranks at
-    PP2 x VPP2 x EP2 with the model's own tokenizer (HuggingFaceTokenizer, a Qwen-like folder
-    of 119 ids): transformers' first loss and gradient norm. Unpatched (2 ranks, TP2 x EP2 x
+    and as seq_aux_loss with two sequences a micro-batch) log the losses and gradient norms of
+    transformers' model trained the same way (the two router losses in the reference from its
+    router logits; every parameter's gradient counted once over TP, ETP, EP and DP, each
+    data-parallel rank's samples in it: the reference on one rank's samples is off), and the
+    validation after them its loss of the model trained. On 4 ranks at PP2 x VPP2 x EP2 with
+    the model's own tokenizer (HuggingFaceTokenizer, a Qwen-like folder of 119 ids):
+    transformers' first loss and gradient norm. Unpatched (2 ranks, TP2 x EP2 x
     ETP1, without loss-over-real-vocabulary) megatron's loss takes the softmax over its 256
     padded rows too, whose zero rows give logits 0: the loss of transformers' logits padded
     with zeros, and a norm off. After one step at lr 0 the PP2 x VPP2 x EP2 run's own
@@ -1042,8 +1043,8 @@ MEGATRON_FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-f
 def _launched_losses(nproc: int, flags: list[str], root: Path, corpus: str, *layout: str,
                      env: dict | None = None, fails: bool = False):
     """pretrain_moe.py on `nproc` ranks over `corpus` (half its documents for validation, as
-    _megatron_batches reads them; a micro-batch of 1 per data-parallel rank): the launch (checked to succeed, or with `fails` to fail) and the losses
-    TensorBoard has."""
+    _megatron_batches reads them; a micro-batch of 1 per data-parallel rank): the launch
+    (checked to succeed, or with `fails` to fail) and the losses TensorBoard has."""
     from _launch import launch, tensorboard_scalars
 
     run = launch(nproc, [*flags, "--seq-length", str(SEQ), "--micro-batch-size", "1",
