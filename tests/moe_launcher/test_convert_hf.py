@@ -566,7 +566,8 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     parallelism, experts EP2 x ETP1, DP2 with the distributed optimizer and two micro-batches
     per rank: three AdamW steps with the gradient clipped and megatron's load-balancing loss
     and router z-loss (also with --calculate-per-token-loss, under full activation recompute,
-    and as seq_aux_loss with two sequences a micro-batch) log the losses and gradient norms of
+    as seq_aux_loss with two sequences a micro-batch, and with megatron's default allgather
+    token dispatcher) log the losses and gradient norms of
     transformers' model trained the same way (the two router losses in the reference from its
     router logits; every parameter's gradient counted once over TP, ETP, EP and DP, each
     data-parallel rank's samples in it: the reference on one rank's samples is off), and the
@@ -619,6 +620,11 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                                     "--moe-router-load-balancing-type", "seq_aux_loss"],
                                    nproc=4, iterations=steps, lr=lr, aux_loss_coeff=aux,
                                    z_loss_coeff=z_loss)
+    # megatron's default token dispatcher (the launches above: alltoall): every rank's tokens
+    # gathered to every expert rank
+    allgather = _launched_steps(ckpt, prefix, tmp_path / "allgather",
+                                [*dp2, "--moe-token-dispatcher-type", "allgather"], nproc=4,
+                                iterations=steps, lr=lr, aux_loss_coeff=aux, z_loss_coeff=z_loss)
     from _megatron_cpu import environment_kept
 
     with environment_kept():  # megatron's model build sets NVTE_*: the launches below fork
@@ -661,7 +667,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     assert not _differences(trained, reference), _differences(trained, reference)
     assert "iteration 1: launcher's grad-norm" in " ".join(_differences(trained, on_one_rank))
     trained_steps = {tag: reference[tag] for tag in ("lm loss", "grad-norm")}
-    for run in (per_token, recomputed, per_sequence):
+    for run in (per_token, recomputed, per_sequence, allgather):
         assert not _differences(run, trained_steps), _differences(run, trained_steps)
     for partial in (without_aux, without_z_loss):
         assert any("grad-norm" in line for line in _differences(trained, partial))
