@@ -1075,8 +1075,9 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     `export-hf` reads it directly; that run's first loss is transformers' own loss of the
     exported model (fp32 on the same bf16-rounded weights: 2e-4), which the training moved off
     the import's.
-    In fp32 at EP2 x ETP2 and at EP2 x ETP1 (expert DP 2) with the router losses on, three steps
-    on batches of distinct samples train as transformers' model does (1e-5). A partial
+    In fp32 at EP2 x ETP2 and at EP2 x ETP1 (expert DP 2) with the router losses on (also with
+    --calculate-per-token-loss), three steps on batches of distinct samples train as
+    transformers' model does (1e-5). A partial
     fsdp_dtensor checkpoint and a damaged one are refused in one line."""
     from transformers import AutoModelForCausalLM
 
@@ -1118,19 +1119,23 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     # steps give transformers' losses and gradient norms trained the same way, the validation
     # after them its loss of the model trained; without fsdp-one-rank-grad-scaling the experts'
     # gradients are off (Megatron-LM #6660). At EP2 x ETP1 (expert DP 2: the recipes' experts
-    # sharded over their data-parallel ranks too) with the router losses on, the same.
+    # sharded over their data-parallel ranks too) with the router losses on, the same, also
+    # with --calculate-per-token-loss.
     aux, z_loss = 0.1, 1e-2
+    with_router_losses = _transformers_steps(hf_dir, batches, 1e-3, evaluate=True,
+                                             aux_loss_coeff=aux, z_loss_coeff=z_loss)
     references = {"fp32": _transformers_steps(hf_dir, batches, 1e-3, evaluate=True),
-                  "fp32_expert_dp2": _transformers_steps(hf_dir, batches, 1e-3, evaluate=True,
-                                                         aux_loss_coeff=aux,
-                                                         z_loss_coeff=z_loss)}
+                  "fp32_expert_dp2": with_router_losses,
+                  "fp32_per_token": with_router_losses}  # (no token is masked)
     fp32 = [flag for flag in MEGATRON_FSDP if flag != "--bf16"]
     expert_dp1 = ["--expert-tensor-parallel-size", "2", "--moe-aux-loss-coeff", "0"]
+    expert_dp2 = ["--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", repr(aux),
+                  "--moe-z-loss-coeff", repr(z_loss)]
     runs = {"fp32": (expert_dp1, None),
             "fp32_unpatched": (expert_dp1,
                                {"MEGATRON_PATCHES_DISABLE": "fsdp-one-rank-grad-scaling"}),
-            "fp32_expert_dp2": (["--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff",
-                                 repr(aux), "--moe-z-loss-coeff", repr(z_loss)], None)}
+            "fp32_expert_dp2": (expert_dp2, None),
+            "fp32_per_token": ([*expert_dp2, "--calculate-per-token-loss"], None)}
     for name, (layout, env) in runs.items():
         _launched_losses(4, [*flags, *fp32, "--global-batch-size", "8"], tmp_path / name, corpus,
                          *load, "--expert-model-parallel-size", "2", *layout,
