@@ -278,12 +278,17 @@ def _periodic_corpus(prefix: str, tokens: torch.Tensor) -> None:
     _corpus(prefix, [tokens.repeat(8)] * 2)
 
 
-def _random_corpus(prefix: str, seed: int) -> None:
-    """40 documents of 20 to 200 random token ids (below the NullTokenizer's end-of-document
-    id): samples that differ, and cross documents."""
+def _random_corpus(prefix: str, seed: int, documents: int = 40,
+                   lengths: tuple[int, int] = (20, 200), end_of_document: bool = False) -> None:
+    """`documents` documents of `lengths` (the least and the most) random token ids below the
+    NullTokenizer's end-of-document id, with `end_of_document` each ended by that id: samples
+    that differ, and cross documents."""
     draw = torch.Generator().manual_seed(seed)
-    _corpus(prefix, [torch.randint(0, VOCAB - 1, (int(length),), generator=draw)
-                     for length in torch.randint(20, 201, (40,), generator=draw)])
+    ending = [torch.tensor([VOCAB - 1])] if end_of_document else []
+    _corpus(prefix, [torch.cat([torch.randint(0, VOCAB - 1, (int(length),), generator=draw),
+                                *ending])
+                     for length in torch.randint(lengths[0], lengths[1] + 1, (documents,),
+                                                 generator=draw)])
 
 
 class Batch(NamedTuple):
@@ -787,10 +792,7 @@ def test_eod_mask_loss_trains_as_transformers_does(family_conversions, tmp_path)
     coefficients (README: upstream MoE bugs)."""
     _, hf_dir, ckpt, _ = family_conversions("mixtral")
     corpus = str(tmp_path / "corpus_text_document")
-    draw = torch.Generator().manual_seed(5)
-    _corpus(corpus, [torch.cat([torch.randint(0, VOCAB - 1, (int(length),), generator=draw),
-                                torch.tensor([VOCAB - 1])])
-                     for length in torch.randint(4, 41, (200,), generator=draw)])
+    _random_corpus(corpus, seed=5, documents=200, lengths=(4, 40), end_of_document=True)
     steps, lr, router_losses = 3, 1e-3, {"aux_loss_coeff": 0.1, "z_loss_coeff": 1e-2}
     layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
