@@ -52,6 +52,13 @@ from moe_launcher.checkpoint_files.commit_protocol import TRACKER
 pytestmark = pytest.mark.slow
 
 ITERS, SAVED_AT = 4, 2
+# TINY_MODEL with 4 experts instead of 8: megatron's fsdp_dtensor save and load gather each
+# tensor's shard offsets with collectives of their own (several per expert weight and optimizer
+# state, a few ms each on 4 gloo ranks sharing 2 cores), ~6 s of every 8-expert run that saves
+# twice. 4 experts still split over EP 2 and ETP 2.
+EXPERTS = 4
+MODEL = [str(EXPERTS) if previous == "--num-experts" else flag
+         for previous, flag in zip(["", *TINY_MODEL], TINY_MODEL)]
 FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--moe-token-dispatcher-type", "alltoall"]
 LAYOUTS = {
@@ -73,10 +80,10 @@ MEGATRON_REPORT = re.compile(r"Theoretical memory footprints: weight and optimiz
 
 
 def tiny_model_parameters(swiglu: bool) -> int:
-    """TINY_MODEL's parameters, counted from its sizes: per layer QKV and output projections,
-    two RMSNorms, the router and 8 experts (fc1 doubled by SwiGLU, fc2); then the final norm,
-    and the untied embedding and output layer (vocabulary 512)."""
-    hidden, ffn, experts, vocab = 64, 64, 8, 512
+    """MODEL's parameters, counted from its sizes: per layer QKV and output projections, two
+    RMSNorms, the router and the experts (fc1 doubled by SwiGLU, fc2); then the final norm, and
+    the untied embedding and output layer (vocabulary 512)."""
+    hidden, ffn, experts, vocab = 64, 64, EXPERTS, 512
     expert = hidden * ffn * (2 if swiglu else 1) + ffn * hidden
     layer = hidden * 3 * hidden + hidden * hidden + 2 * hidden + experts * hidden + experts * expert
     return 2 * layer + hidden + 2 * vocab * hidden
@@ -94,7 +101,7 @@ def check_census(log: str, memory_dir, nproc: int, swiglu: bool = True) -> None:
 
 
 def fsdp_args(layout: str, strategy: str) -> list[str]:
-    model = [flag for flag in TINY_MODEL if not (strategy == "no_shard" and flag == "--swiglu")]
+    model = [flag for flag in MODEL if not (strategy == "no_shard" and flag == "--swiglu")]
     return [*model, *FSDP, *LAYOUTS[layout], "--data-parallel-sharding-strategy", strategy,
             "--train-iters", str(ITERS)]
 
@@ -138,8 +145,8 @@ def test_saves_an_audited_checkpoint_and_resumes_where_it_stopped(layout, strate
     report = audit_report(full / "ckpt" / f"iter_{SAVED_AT:07d}")
     assert report["format"] == "fsdp_dtensor"
     experts = [t for t in report["tensors"] if t["expert"] and t["key"].startswith("model.")]
-    # 2 layers x 8 experts x (fc1, split into weight_w/weight_v by megatron for SwiGLU; fc2)
-    assert len(experts) == 2 * 8 * (2 if strategy == "no_shard" else 3)
+    # 2 layers x the experts x (fc1, split into weight_w/weight_v by megatron for SwiGLU; fc2)
+    assert len(experts) == 2 * EXPERTS * (2 if strategy == "no_shard" else 3)
     for tensor in experts:
         assert tensor["global_shape"] == tensor["expected_shape"] == [64, 64], tensor
     assert report["expert_saved_bytes"] == report["expert_expected_bytes"]
@@ -220,7 +227,7 @@ def test_fp32_trains_saves_and_resumes_where_it_stopped(tmp_path):
     ("Cannot use ReduceOp.PREMUL_SUM with Gloo"). The fp32 checkpoint is audited like the bf16
     ones and the resumed run's losses equal the uninterrupted run's bit for bit; without
     fsdp-dtensor-fp32-swiglu-keys the first save fails."""
-    fp32_model = [flag for flag in TINY_MODEL if flag != "--bf16"]
+    fp32_model = [flag for flag in MODEL if flag != "--bf16"]
     args = [*fp32_model, *FSDP, *LAYOUTS["etp2-ep1"],
             "--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", str(ITERS)]
     full, resumed_tb = tmp_path / "full", tmp_path / "resumed-tb"
@@ -229,7 +236,7 @@ def test_fp32_trains_saves_and_resumes_where_it_stopped(tmp_path):
     assert f"iteration        {ITERS}/       {ITERS}" in run.log
     report = audit_report(full / "ckpt" / f"iter_{SAVED_AT:07d}")
     experts = [t for t in report["tensors"] if t["expert"] and t["key"].startswith("model.")]
-    assert len(experts) == 2 * 8 * 3  # fc1 split into weight_w/weight_v as in bf16, and fc2
+    assert len(experts) == 2 * EXPERTS * 3  # fc1 split into weight_w/weight_v as in bf16, and fc2
     assert all(t["global_shape"] == t["expected_shape"] == [64, 64] for t in experts), experts
 
     resumed = launch(2, [*args, "--load", str(full / "ckpt"), "--ckpt-step", str(SAVED_AT),
@@ -254,7 +261,7 @@ def test_fp32_trains_saves_and_resumes_where_it_stopped(tmp_path):
 
 def test_census_of_optim_grads_keeps_whole_weights(tmp_path):
     """The one strategy that shards gradients but not weights (2 ranks, one step)."""
-    run = launch(2, [*TINY_MODEL, "--use-megatron-fsdp", "--use-distributed-optimizer",
+    run = launch(2, [*MODEL, "--use-megatron-fsdp", "--use-distributed-optimizer",
                      "--ckpt-format", "fsdp_dtensor",
                      "--data-parallel-sharding-strategy", "optim_grads", "--train-iters", "1"],
                  env={"MEMORY_DIR": str(tmp_path)}, script=OBSERVED, timeout=300).check()
