@@ -53,8 +53,8 @@ if [ -n "$seeded" ]; then
   # shellcheck disable=SC2086  # one name per word
   [ -z "$extra" ] || "$venv/bin/python" -m pip uninstall -q -y --disable-pip-version-check $extra
 fi
-# The project's own bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as in this
-# project's CI sandbox) every process, each torchrun rank and each of the test suite's forked
-# ranks, compiled the ~100 modules it imports from source again (~0.1 s of CPU a rank).
+# The project's own bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as in the
+# sandboxes this project is developed in) every process, each torchrun rank and each forked rank
+# of the test suite, compiled the ~100 modules it imports from source again (~0.1 s of CPU each).
 "$venv/bin/python" -m compileall -q moe_launcher megatron_patches tests bench pretrain_moe.py >/dev/null
 echo "setup.sh: $venv ready (megatron-core $("$venv/bin/python" -c "from importlib.metadata import version; print(version('megatron-core'))"))"
