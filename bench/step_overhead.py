@@ -108,7 +108,7 @@ class TakingTurns:
         self.load_only = load_only
         self.run = LiveRun([*TINY_MODEL, "--train-iters", str(iters), "--load", save, "--save",
                             save, "--save-interval", str(SAVE_INTERVAL), "--timing-log-level",
-                            "0"], nproc=1, preexec=lambda: os.sched_setaffinity(0, {core}),
+                            "0"], nproc=1, cores={core},
                            env={"MEGATRON_PATCHES_DISABLE": disable})
         self.cpu: dict[int, float] = {}  # iteration -> the rank's CPU seconds at its log line
         self.rank: psutil.Process | None = None

@@ -209,7 +209,11 @@ class LiveRun:
 
     def __init__(self, args: list[str], nproc: int = 2, preexec=None,
                  script: Path = REPO / "pretrain_moe.py", env: dict | None = None,
-                 torchrun: bool = False):
+                 torchrun: bool = False, cores: set[int] | None = None):
+        """cores: the CPUs the ranks run on (set in each rank by tests/_ranks.py, so the launch
+        can still be forked from the rank server; a preexec function cannot)."""
+        if cores:
+            env = {**(env or {}), "RANKS_CPU_AFFINITY": ",".join(map(str, sorted(cores)))}
         self.proc = _start(nproc, args, env, script, torchrun, preexec)
         self.torchrun = torchrun
         self.lines: list[str] = []

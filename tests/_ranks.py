@@ -55,6 +55,7 @@ import time
 import uuid
 
 GRACE_S = 10.0
+CPU_AFFINITY = "RANKS_CPU_AFFINITY"  # the cores a launch's ranks run on, comma-separated
 TERM_S = 10.0
 PRELOAD = ("torch._dynamo", "megatron.core.models.gpt",
            "megatron.core.models.hybrid.hybrid_model", "megatron.core.dist_checkpointing",
@@ -136,6 +137,8 @@ def _fork_ranks(nproc: int, socket_dir: str) -> tuple[int | None, dict[int, int]
             with os.fdopen(read_end) as pipe:
                 port, run_id = pipe.read().split()
             os.environ.update(_rank_environment(rank, nproc, int(port), run_id))
+            if cores := os.environ.get(CPU_AFFINITY):  # LiveRun(cores=...): the bench's one core
+                os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
             _start_write_results_queue(socket_dir)
             return rank, {}, []
         os.close(read_end)
