@@ -55,8 +55,8 @@ import time
 import uuid
 
 GRACE_S = 10.0
-CPU_AFFINITY = "RANKS_CPU_AFFINITY"  # the cores a launch's ranks run on, comma-separated
 TERM_S = 10.0
+CPU_AFFINITY = "RANKS_CPU_AFFINITY"  # the cores a launch's ranks run on, comma-separated
 PRELOAD = ("torch._dynamo", "megatron.core.models.gpt",
            "megatron.core.models.hybrid.hybrid_model", "megatron.core.dist_checkpointing",
            "megatron.training.training", "megatron.core.tokenizers.text")
