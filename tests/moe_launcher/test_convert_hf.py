@@ -353,6 +353,10 @@ def _megatron_batches(prefix: str, steps: int, global_batch: int, evaluate: bool
     return batches
 
 
+# Attention TP 2 with sequence parallelism, experts EP 2 x ETP 1: the judged launches' layout.
+TP2_SP_EP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+
 # How the launches below train (megatron's optimizer: torch's AdamW without TE or apex, the
 # gradient clipped to this norm) and transformers' reference loop trains the same way.
 CLIP, ADAM_BETAS, ADAM_EPS = 1.0, (0.9, 0.999), 1e-8
@@ -594,13 +598,11 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
     # the tokenizer's texts, a document each: every sample another sequence
     prefix = str(tmp_path / "corpus_text_document")
     _corpus(prefix, [torch.tensor(ids) for ids in source_tokenizer(texts)["input_ids"]])
-    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-           "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     steps, lr = 3, 1e-3
     # megatron's aux_loss and router z-loss: each moves the gradient norm far past the tolerance
     aux, z_loss = 0.1, 1e-2
     # 4 ranks: DP2 (expert DP 2) with megatron's distributed optimizer, two micro-batches each
-    dp2 = [*tp2, "--use-distributed-optimizer", "--micro-batch-size", "1",
+    dp2 = [*TP2_SP_EP2, "--use-distributed-optimizer", "--micro-batch-size", "1",
            "--global-batch-size", "4"]
     trained = _launched_steps(ckpt, prefix, tmp_path, dp2, nproc=4, save=True,
                               iterations=steps, lr=lr, evaluate=True, aux_loss_coeff=aux,
@@ -645,7 +647,7 @@ def test_launcher_trains_it_as_transformers_does_and_exports_its_own_checkpoint(
                              tokenizer=("--tokenizer-type", "HuggingFaceTokenizer",
                                         "--tokenizer-model", str(tmp_path / "tokenizer")))
     unpatched = _launched_steps(ckpt, prefix, tmp_path / "unpatched",
-                                [*tp2, "--global-batch-size", "4"],
+                                [*TP2_SP_EP2, "--global-batch-size", "4"],
                                 env={"MEGATRON_PATCHES_DISABLE": "loss-over-real-vocabulary"})
 
     # Every launch above trains on global batches of 4 (their first iterations the same)
@@ -762,9 +764,7 @@ def test_fused_cross_entropy_trains_as_transformers_does(family_conversions, tmp
     corpus = str(tmp_path / "corpus_text_document")
     _random_corpus(corpus, seed=6)
     steps, lr = 3, 1e-3
-    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
-              "--micro-batch-size", "1", "--cross-entropy-loss-fusion",
+    layout = [*TP2_SP_EP2, "--micro-batch-size", "1", "--cross-entropy-loss-fusion",
               "--cross-entropy-fusion-impl", "native"]
     runs = {name: _launched_steps(ckpt, corpus, tmp_path / name, layout, iterations=steps,
                                   lr=lr, env=env)
@@ -794,10 +794,8 @@ def test_eod_mask_loss_trains_as_transformers_does(family_conversions, tmp_path)
     corpus = str(tmp_path / "corpus_text_document")
     _random_corpus(corpus, seed=5, documents=200, lengths=(4, 40), end_of_document=True)
     steps, lr, router_losses = 3, 1e-3, {"aux_loss_coeff": 0.1, "z_loss_coeff": 1e-2}
-    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
-              "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size",
-              "4", "--eod-mask-loss"]
+    layout = [*TP2_SP_EP2, "--use-distributed-optimizer", "--micro-batch-size", "1",
+              "--global-batch-size", "4", "--eod-mask-loss"]
     batches = _megatron_batches(corpus, steps, 4, eod_mask_loss=True)
     assert not bool(batches.train[0].loss_mask.all())
     runs = {name: _launched_steps(ckpt, corpus, tmp_path / name, [*layout, *flags], nproc=4,
