@@ -172,6 +172,7 @@ PATCH_MODULES = (
     "megatron_patches.fsdp.fsdp_fused_wgrad_accumulation",
     "megatron_patches.fsdp.fsdp_model_to_main_weights",
     "megatron_patches.fsdp.fsdp_dtensor_release_load",
+    "megatron_patches.fsdp.fsdp_dtensor_batched_chunk_metadata",
     "megatron_patches.checkpointing.torch_format_shard_guard",
     "megatron_patches.checkpointing.checkpoint_completeness_guard",
     "megatron_patches.checkpointing.checkpoint_load_guard",

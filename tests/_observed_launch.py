@@ -30,14 +30,26 @@ when its environment variable names a directory:
   expert-bias update uses and zeroes them), each rank writes, per router, the dtype and values of
   its expert-bias token counter and the routing decisions its forwards made, counted here
   (routing_map summed, for forwards with gradients, as megatron counts), to
-  router_counts_rank{R}.json.
+  router_counts_rank{R}.json;
+* $CHUNK_DIR: around each call of megatron's `preprocess_fsdp_dtensor_state_dict` (an
+  fsdp_dtensor save or load; the patches' wrappers of it outside this one), each rank counts the
+  torch.distributed collectives the call runs, then, for every DTensor of the state dict it
+  returns (megatron's sorted key order), compares the chunk and DCP write items the DTensor
+  carries with those megatron's own `update_uneven_dtensor_chunk_metadata` gives it (the
+  DTensor's hooks put back afterwards, so DCP writes with what the call attached), and writes
+  chunks_call{N}_rank{R}.json: {"collectives": {name: calls}, "seconds": the call's wall time,
+  "dtensors": n, "empty": empty local shards, "placements": the distinct (mesh shape,
+  placements), "differ": keys that differ}.
 """
 
+import collections
 import functools
+import itertools
 import json
 import os
 import re
 import sys
+import time
 
 import torch
 
@@ -276,6 +288,75 @@ def _observe_router_counts(training) -> None:
     training.finalize_model_grads = finalize_model_grads
 
 
+COUNTED_COLLECTIVES = ("all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce",
+                       "broadcast", "broadcast_object_list", "reduce_scatter_tensor")
+
+
+def _megatron_chunk(dtensor, key: str):
+    """(chunk list, write items) of megatron's own hooks for `dtensor`; its hooks as they were
+    are put back."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
+
+    local = dtensor._local_tensor
+    attached = {name: getattr(local, name) for name in
+                ("__create_chunk_list__", "__create_write_items__") if hasattr(local, name)}
+    uneven_dtensor.update_uneven_dtensor_chunk_metadata(dtensor)
+    megatron = (local.__create_chunk_list__(), local.__create_write_items__(key, dtensor))
+    for name, hook in attached.items():
+        setattr(local, name, hook)
+    return megatron
+
+
+def _observe_chunks(checkpointing) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
+
+    preprocess, calls = checkpointing.preprocess_fsdp_dtensor_state_dict, itertools.count()
+
+    @functools.wraps(preprocess)
+    def preprocess_fsdp_dtensor_state_dict(*args, **kwargs):
+        counts, dist = collections.Counter(), torch.distributed
+        originals = {name: getattr(dist, name) for name in COUNTED_COLLECTIVES}
+
+        def counted(name):
+            def collective(*a, **k):
+                counts[name] += 1
+                return originals[name](*a, **k)
+            return collective
+
+        for name in COUNTED_COLLECTIVES:
+            setattr(dist, name, counted(name))
+        started = time.perf_counter()
+        try:
+            state_dict = preprocess(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - started
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        chains = sorted(uneven_dtensor.filter_unflattened_state_dict(
+            state_dict, visit_condition=lambda value: isinstance(value, DTensor)))
+        differ, empty, placements = [], 0, set()
+        for chain in chains:
+            dtensor = uneven_dtensor.get_unflattened_state_dict(state_dict, chain)
+            key = "/".join(map(str, chain))
+            local = dtensor._local_tensor
+            carried = (local.__create_chunk_list__(), local.__create_write_items__(key, dtensor))
+            if repr(carried) != repr(_megatron_chunk(dtensor, key)):
+                differ.append(key)
+            empty += local.numel() == 0
+            placements.add(f"{tuple(dtensor.device_mesh.shape)} {dtensor.placements}")
+        rank = torch.distributed.get_rank()
+        path = os.path.join(os.environ["CHUNK_DIR"], f"chunks_call{next(calls)}_rank{rank}.json")
+        with open(path, "w") as f:
+            json.dump({"collectives": counts, "seconds": seconds, "dtensors": len(chains),
+                       "empty": empty,
+                       "placements": sorted(placements), "differ": differ}, f)
+        return state_dict
+
+    checkpointing.preprocess_fsdp_dtensor_state_dict = preprocess_fsdp_dtensor_state_dict
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from moe_launcher import cpu_backend
@@ -293,4 +374,8 @@ if __name__ == "__main__":
         _observe_flops(training)
     if os.environ.get("ROUTER_COUNT_DIR"):
         _observe_router_counts(training)
+    if os.environ.get("CHUNK_DIR"):
+        from megatron.training import checkpointing
+
+        _observe_chunks(checkpointing)
     pretrain_moe.main(sys.argv[1:])

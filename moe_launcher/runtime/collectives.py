@@ -8,6 +8,7 @@ every GPU run. Patches therefore never call `torch.distributed` collectives dire
 
 * numbers (counts, sizes, maxima) go through `reduce_numbers`, whose tensor is created on the
   current (CUDA, or the CPU backend's virtual CUDA) device;
+* integer vectors (shapes, offsets) go through `gather_integers`, likewise on that device;
 * small Python payloads (verdicts, problem lists, per-stage counts) go through the object
   collectives below, which torch itself places on the device the group needs.
 
@@ -50,6 +51,26 @@ def reduce_numbers(values: Sequence[float], op: str = "sum", group=None) -> list
     tensor = torch.tensor(list(values), dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor, op=_OPS[op], group=group)
     return tensor.tolist()
+
+
+def gather_integers(values: Sequence[int], group=None, what: str = "values") -> list[list[int]]:
+    """Every rank's `values` (int64), in rank order of `group`: one collective for the lot, where
+    an object gather per value would be one each. Every rank must offer as many; a rank that
+    offers a different number is an error on every rank (a length check goes first), not a
+    hang."""
+    if world_size(group) == 1:
+        return [[int(v) for v in values]]
+    device = collective_device()
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size(group))]
+    dist.all_gather(counts, torch.tensor([len(values)], dtype=torch.int64, device=device),
+                    group=group)
+    offered = [int(c.item()) for c in counts]
+    if len(set(offered)) != 1:
+        raise RuntimeError(f"the ranks of one group offer different numbers of {what}: {offered}")
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
 
 
 def gather_objects(value: Any, group=None) -> list[Any]:
