@@ -39,7 +39,9 @@ when its environment variable names a directory:
   DTensor's hooks put back afterwards, so DCP writes with what the call attached), and writes
   chunks_call{N}_rank{R}.json: {"collectives": {name: calls}, "seconds": the call's wall time,
   "dtensors": n, "empty": empty local shards, "placements": the distinct (mesh shape,
-  placements), "differ": keys that differ}.
+  placements), "differ": keys that differ}; and around each Megatron-FSDP `ParamAndGradBuffer`
+  built (wrapping the model), the same for the main weights it gives a chunk, to
+  buffer{N}_rank{R}.json.
 """
 
 import collections
@@ -307,54 +309,78 @@ def _megatron_chunk(dtensor, key: str):
     return megatron
 
 
+def _counted_call(function, *args, **kwargs):
+    """function(*args, **kwargs), and {collective: calls} of the torch.distributed collectives
+    it ran, and its wall time."""
+    counts, dist = collections.Counter(), torch.distributed
+    originals = {name: getattr(dist, name) for name in COUNTED_COLLECTIVES}
+
+    def counted(name):
+        def collective(*a, **k):
+            counts[name] += 1
+            return originals[name](*a, **k)
+        return collective
+
+    for name in COUNTED_COLLECTIVES:
+        setattr(dist, name, counted(name))
+    started = time.perf_counter()
+    try:
+        result = function(*args, **kwargs)
+    finally:
+        seconds = time.perf_counter() - started
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return result, counts, seconds
+
+
+def _chunk_report(path: str, counts, seconds: float, dtensors: dict) -> None:
+    """Writes the chunk observer's record of `dtensors` (key -> DTensor, in megatron's order)."""
+    differ, empty, placements = [], 0, set()
+    for key, dtensor in dtensors.items():
+        local = dtensor._local_tensor
+        carried = (local.__create_chunk_list__(), local.__create_write_items__(key, dtensor))
+        if repr(carried) != repr(_megatron_chunk(dtensor, key)):
+            differ.append(key)
+        empty += local.numel() == 0
+        placements.add(f"{tuple(dtensor.device_mesh.shape)} {dtensor.placements}")
+    with open(path, "w") as f:
+        json.dump({"collectives": counts, "seconds": seconds, "dtensors": len(dtensors),
+                   "empty": empty, "placements": sorted(placements), "differ": differ}, f)
+
+
 def _observe_chunks(checkpointing) -> None:
     from torch.distributed.tensor import DTensor
 
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer, uneven_dtensor
 
     preprocess, calls = checkpointing.preprocess_fsdp_dtensor_state_dict, itertools.count()
+    buffer_init, buffers = param_and_grad_buffer.ParamAndGradBuffer.__init__, itertools.count()
+    directory = os.environ["CHUNK_DIR"]
 
     @functools.wraps(preprocess)
     def preprocess_fsdp_dtensor_state_dict(*args, **kwargs):
-        counts, dist = collections.Counter(), torch.distributed
-        originals = {name: getattr(dist, name) for name in COUNTED_COLLECTIVES}
-
-        def counted(name):
-            def collective(*a, **k):
-                counts[name] += 1
-                return originals[name](*a, **k)
-            return collective
-
-        for name in COUNTED_COLLECTIVES:
-            setattr(dist, name, counted(name))
-        started = time.perf_counter()
-        try:
-            state_dict = preprocess(*args, **kwargs)
-        finally:
-            seconds = time.perf_counter() - started
-            for name, original in originals.items():
-                setattr(dist, name, original)
+        state_dict, counts, seconds = _counted_call(preprocess, *args, **kwargs)
         chains = sorted(uneven_dtensor.filter_unflattened_state_dict(
             state_dict, visit_condition=lambda value: isinstance(value, DTensor)))
-        differ, empty, placements = [], 0, set()
-        for chain in chains:
-            dtensor = uneven_dtensor.get_unflattened_state_dict(state_dict, chain)
-            key = "/".join(map(str, chain))
-            local = dtensor._local_tensor
-            carried = (local.__create_chunk_list__(), local.__create_write_items__(key, dtensor))
-            if repr(carried) != repr(_megatron_chunk(dtensor, key)):
-                differ.append(key)
-            empty += local.numel() == 0
-            placements.add(f"{tuple(dtensor.device_mesh.shape)} {dtensor.placements}")
         rank = torch.distributed.get_rank()
-        path = os.path.join(os.environ["CHUNK_DIR"], f"chunks_call{next(calls)}_rank{rank}.json")
-        with open(path, "w") as f:
-            json.dump({"collectives": counts, "seconds": seconds, "dtensors": len(chains),
-                       "empty": empty,
-                       "placements": sorted(placements), "differ": differ}, f)
+        _chunk_report(os.path.join(directory, f"chunks_call{next(calls)}_rank{rank}.json"),
+                      counts, seconds,
+                      {"/".join(map(str, chain)): uneven_dtensor.get_unflattened_state_dict(
+                          state_dict, chain) for chain in chains})
         return state_dict
 
+    @functools.wraps(buffer_init)
+    def init(self, *args, **kwargs):
+        _, counts, seconds = _counted_call(buffer_init, self, *args, **kwargs)
+        rank = torch.distributed.get_rank()
+        # The main weights megatron gives a chunk (the sharded strategies' DTensors).
+        given = {name: t for name, t in self.dist_main_weight.items()
+                 if hasattr(t._local_tensor, "__create_chunk_list__")}
+        _chunk_report(os.path.join(directory, f"buffer{next(buffers)}_rank{rank}.json"),
+                      counts, seconds, given)
+
     checkpointing.preprocess_fsdp_dtensor_state_dict = preprocess_fsdp_dtensor_state_dict
+    param_and_grad_buffer.ParamAndGradBuffer.__init__ = init
 
 
 if __name__ == "__main__":

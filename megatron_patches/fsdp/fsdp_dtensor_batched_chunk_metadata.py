@@ -1,5 +1,5 @@
-"""fsdp_dtensor checkpoints: each shard's place in its tensor is found with a few collectives a
-save or load, not several per tensor.
+"""Megatron-FSDP: each DTensor shard's place in its tensor is found with a few collectives when
+the model is wrapped and at each fsdp_dtensor save or load, not several per tensor.
 
 Upstream: megatron-core 0.19.2 `megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor`
 (its own TODO: "Implement batched barrier using grouped collectives"); NVIDIA/Megatron-LM PR
@@ -20,20 +20,26 @@ and L layers runs ~30 x E x L such collectives one after another (a DeepSeek-V2-
 of thousands), each a few ms or, over the world, more: minutes of every save and load at scale,
 ~5 s of a tiny model's save on 4 CPU ranks.
 
+Wrapping the model does the same per parameter (`ParamAndGradBuffer._init_distributed_params`
+makes each parameter's DTensor with `run_check` and its chunk): several collectives per
+parameter again, thousands of parameters in a large MoE.
+
 The fix, for the duration of `preprocess_fsdp_dtensor_state_dict` (megatron.training's save and
-load call it): `make_fsdp_dtensor` as megatron's fsdp_dtensor_checkpoint calls it makes the
-halves without the per-tensor checks and chunk (a TP-duplicated parameter, whose run_check
-broadcasts rank 0's copy, is left to megatron), and they are done at the end for all at once:
-the halves' dtype and requires_grad compared over the world in one object gather, the chunks of
-every DTensor of the state dict computed together, the halves validated together. Megatron's
-rule is kept: a chunk is built from its local shape mesh dim by mesh dim (a strided shard first,
-then the mesh dims in order, or the reverse of the mesh's `_shard_order`), each step adding up
-the extents the ranks of that dim's group hold so far. Here step k of every tensor is taken at
-once: one int64 gather per process group per step, the tensors in megatron's (sorted key)
-order, the groups in name order (the same on every rank). Validation is megatron's: in bounds,
-and every boundary touched (one MAX all_reduce per group per sharded placement). What DCP
-receives is what megatron's hooks give: one chunk per DTensor, nothing written for an empty
-shard.
+load call it) and of `_init_distributed_params`: `make_fsdp_dtensor` (both names megatron calls
+it by) makes its DTensors without the per-tensor checks and chunk (a TP-duplicated parameter,
+whose run_check broadcasts TP rank 0's copy, is left to megatron unless megatron broadcasts it
+anyway: `force_sync_tp_duplicated_param`, as the model wrap does), and they are done at the end for
+all at once: dtype and requires_grad compared over the world in one object gather, the chunks
+computed together (at a save or load those of every DTensor of the state dict), the tensors
+megatron would validate validated together. Megatron's rule is kept: a chunk is built from its
+local shape mesh dim by mesh dim (a strided shard first, then the mesh dims in order, or the
+reverse of the mesh's `_shard_order`), each step adding up the extents the ranks of that dim's
+group hold so far. Here step k of every tensor is taken at once: one int64 gather per process
+group per step, the tensors in megatron's order (the state dict's sorted keys, then the order
+they were made), the groups in name order (the same on every rank). Validation is megatron's:
+in bounds, and every boundary touched (one MAX all_reduce per group per sharded placement).
+What DCP receives is what megatron's hooks give: one chunk per DTensor, nothing written for an
+empty shard.
 
 Needed where megatron's chunk computation gathers shapes per tensor.
 """
@@ -52,12 +58,11 @@ NAME = "fsdp-dtensor-batched-chunk-metadata"
 
 @dataclasses.dataclass
 class PutOffChecks:
-    """What megatron's per-tensor code asks of the DTensors that `make_fsdp_dtensor` makes in
-    megatron's fsdp_dtensor_checkpoint (the SwiGLU halves) while `deferring`
-    (`preprocess_fsdp_dtensor_state_dict` runs; outside it `make_fsdp_dtensor` runs as it is):
-    the DTensors to validate, those to give a chunk, and the (dtype, requires_grad) of the local
-    tensors torch's `DTensor.from_local(run_check=True)` compares over the world, each done for
-    all at once at the end."""
+    """What megatron's per-tensor code would ask of the DTensors `make_fsdp_dtensor` makes while
+    `deferring` (during `preprocess_fsdp_dtensor_state_dict` or `_init_distributed_params`;
+    outside them `make_fsdp_dtensor` runs as it is): the DTensors to validate, those to give a
+    chunk, and the dtype and requires_grad of the local tensors torch's
+    `DTensor.from_local(run_check=True)` compares over the world; all done at once at the end."""
 
     deferring: bool = False
     to_validate: list = dataclasses.field(default_factory=list)
@@ -226,31 +231,40 @@ def _state_dict_dtensors(state_dict: dict) -> list:
 
 
 def _compare_across_the_world(local_metadata: list[str]) -> None:
-    """torch's run_check of `DTensor.from_local`, for all the put-off halves at once: each one's
-    dtype and requires_grad are the same on every rank (megatron's run had one world object
-    gather per half; where the ranks' numbers of halves differ only the common ones compare)."""
+    """torch's run_check of `DTensor.from_local`, for all the put-off DTensors at once: each
+    one's dtype and requires_grad are the same on every rank (megatron's run had one world
+    object gather per DTensor; where the ranks' numbers differ only the common ones compare)."""
     from moe_launcher.runtime import collectives
 
     for rank, theirs in enumerate(collectives.gather_objects(local_metadata)):
         for index, (mine, other) in enumerate(zip(local_metadata, theirs)):
             if mine != other:
-                raise ValueError(f"Inconsistent tensor metadata across ranks: SwiGLU half "
-                                 f"{index} is {mine} here, {other} on rank {rank}")
+                raise ValueError(f"Inconsistent tensor metadata across ranks: DTensor {index} "
+                                 f"made is {mine} here, {other} on rank {rank}")
 
 
-def _attach_chunks(checks: PutOffChecks, state_dict: dict) -> dict:
-    """Stands for megatron's preprocess_state_dict_for_uneven_dtensor."""
+def _unique(dtensors) -> list:
+    seen, unique = set(), []
+    for dtensor in dtensors:
+        if id(dtensor) not in seen:
+            seen.add(id(dtensor))
+            unique.append(dtensor)
+    return unique
+
+
+def _settle(checks: PutOffChecks, dtensors: list) -> None:
+    """Does what was put off, and gives `dtensors` their chunks too, for all at once: the
+    world comparison, the chunks (in `dtensors`' order, then the put-off ones' in the order
+    they were made: the same on every rank), the validation, the DCP hooks."""
     _compare_across_the_world(checks.to_compare)
-    dtensors = _state_dict_dtensors(state_dict)
-    listed = {id(t) for t in dtensors}
-    dtensors += [t for t in checks.to_attach if id(t) not in listed]
-    chunks = place_chunks(dtensors)
-    wanted = {id(t) for t in checks.to_validate}
-    validate_chunks([chunk for chunk in chunks if id(chunk.dtensor) in wanted])
+    to_attach = {id(t) for t in (*dtensors, *checks.to_attach)}
+    to_validate = {id(t) for t in checks.to_validate}
+    chunks = place_chunks(_unique([*dtensors, *checks.to_attach, *checks.to_validate]))
+    validate_chunks([chunk for chunk in chunks if id(chunk.dtensor) in to_validate])
     for chunk in chunks:
-        _attach(chunk)
+        if id(chunk.dtensor) in to_attach:
+            _attach(chunk)
     checks.clear()
-    return state_dict
 
 
 @contextlib.contextmanager
@@ -273,6 +287,17 @@ def _wrap_preprocess(checks: PutOffChecks, preprocess):
     return preprocess_with_batched_chunks
 
 
+def _wrap_init_distributed_params(checks: PutOffChecks, init_distributed_params):
+    @functools.wraps(init_distributed_params)
+    def init_distributed_params_checked_together(self):
+        with _deferring(checks):
+            init_distributed_params(self)
+            _settle(checks, [])
+
+    init_distributed_params_checked_together.__wrapped_by__ = NAME
+    return init_distributed_params_checked_together
+
+
 def _put_off_checks(checks: PutOffChecks, make_fsdp_dtensor):
     from torch.distributed.tensor import DTensor
 
@@ -288,9 +313,11 @@ def _put_off_checks(checks: PutOffChecks, make_fsdp_dtensor):
         tp_checked = (given["run_check"] and not isinstance(given["param"], DTensor)
                       and utils.using_tensor_parallel(
                           given["dist_index"], is_expert_parallel=given["is_expert_param"]))
-        if not checks.deferring or (tp_checked and
-                                    utils.is_mcore_tensor_parallel_duplicated(given["param"])):
-            # A TP-duplicated one gets rank 0's copy broadcast by run_check: left as it is.
+        if not checks.deferring or (
+                tp_checked and utils.is_mcore_tensor_parallel_duplicated(given["param"])
+                and not given["force_sync_tp_duplicated_param"]):
+            # run_check broadcasts TP rank 0's copy of a TP-duplicated tensor: left to megatron
+            # where megatron does not broadcast it anyway (force_sync_tp_duplicated_param).
             return make_fsdp_dtensor(*args, **kwargs)
         validate, attach = given["run_check"], given["update_uneven_dtensor_chunk_meta"]
         given["run_check"] = given["update_uneven_dtensor_chunk_meta"] = False
@@ -310,7 +337,8 @@ def _put_off_checks(checks: PutOffChecks, make_fsdp_dtensor):
 
 def _attach_in_batch(checks: PutOffChecks):
     def preprocess_state_dict_for_uneven_dtensor(state_dict: dict) -> dict:
-        return _attach_chunks(checks, state_dict)
+        _settle(checks, _state_dict_dtensors(state_dict))
+        return state_dict
 
     preprocess_state_dict_for_uneven_dtensor.__wrapped_by__ = NAME
     return preprocess_state_dict_for_uneven_dtensor
@@ -318,15 +346,18 @@ def _attach_in_batch(checks: PutOffChecks):
 
 def _not_needed_because(context: PatchContext) -> str | None:
     try:
+        from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
         from megatron.core.transformer import fsdp_dtensor_checkpoint
         from megatron.training import checkpointing
     except ImportError:
         return "this megatron-core has no Megatron-FSDP"
-    for module, name in ((checkpointing, "preprocess_fsdp_dtensor_state_dict"),
-                         (checkpointing, "preprocess_state_dict_for_uneven_dtensor"),
-                         (fsdp_dtensor_checkpoint, "make_fsdp_dtensor")):
-        if not callable(getattr(module, name, None)):
-            return f"megatron-core has no {module.__name__}.{name} to hook"
+    for owner, name in ((checkpointing, "preprocess_fsdp_dtensor_state_dict"),
+                        (checkpointing, "preprocess_state_dict_for_uneven_dtensor"),
+                        (fsdp_dtensor_checkpoint, "make_fsdp_dtensor"),
+                        (param_and_grad_buffer, "make_fsdp_dtensor"),
+                        (param_and_grad_buffer.ParamAndGradBuffer, "_init_distributed_params")):
+        if not callable(getattr(owner, name, None)):
+            return f"megatron-core has no {owner.__name__}.{name} to hook"
     if "all_gather_object" not in inspect.getsource(
             _uneven_dtensor().gather_and_compute_chunk_metadata):
         return "megatron's chunk metadata no longer gathers shapes tensor by tensor"
@@ -334,6 +365,7 @@ def _not_needed_because(context: PatchContext) -> str | None:
 
 
 def _apply(checks: PutOffChecks) -> None:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
     from megatron.core.transformer import fsdp_dtensor_checkpoint
     from megatron.training import checkpointing
 
@@ -341,8 +373,12 @@ def _apply(checks: PutOffChecks) -> None:
 
     if wrapped_by(checkpointing.preprocess_fsdp_dtensor_state_dict, NAME):
         return
-    fsdp_dtensor_checkpoint.make_fsdp_dtensor = _put_off_checks(
-        checks, fsdp_dtensor_checkpoint.make_fsdp_dtensor)
+    # Two names of one megatron function: the checkpoint's SwiGLU split and the buffer's own.
+    for module in (fsdp_dtensor_checkpoint, param_and_grad_buffer):
+        module.make_fsdp_dtensor = _put_off_checks(checks, module.make_fsdp_dtensor)
+    buffer = param_and_grad_buffer.ParamAndGradBuffer
+    buffer._init_distributed_params = _wrap_init_distributed_params(
+        checks, buffer._init_distributed_params)
     checkpointing.preprocess_state_dict_for_uneven_dtensor = _attach_in_batch(checks)
     checkpointing.preprocess_fsdp_dtensor_state_dict = _wrap_preprocess(
         checks, checkpointing.preprocess_fsdp_dtensor_state_dict)
@@ -353,9 +389,9 @@ register(Patch(
     upstream="megatron-core 0.19.2 uneven_dtensor (one all_gather_object per DTensor per "
              "sharded mesh dim; Megatron-LM PR #6573 open)",
     versions=">=0.19,<0.20",
-    summary="an fsdp_dtensor save or load finds every shard's chunk with one int64 gather per "
-            "process group per sharded mesh dim, and validates the SwiGLU halves likewise, "
-            "instead of several object gathers per tensor",
+    summary="Megatron-FSDP's model wrap and every fsdp_dtensor save or load place each "
+            "DTensor shard with one int64 gather per process group per sharded mesh dim, and "
+            "validate likewise, instead of several object gathers per tensor",
     not_needed_because=_not_needed_because,
     apply=lambda: _apply(PutOffChecks()),
 ))

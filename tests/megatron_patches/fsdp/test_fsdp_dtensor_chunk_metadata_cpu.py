@@ -1,12 +1,14 @@
-"""fsdp-dtensor-batched-chunk-metadata: an fsdp_dtensor save finds every shard's chunk with a few
-collectives, and what DCP writes is what megatron-core 0.19.2's own per-tensor code gives.
+"""fsdp-dtensor-batched-chunk-metadata: Megatron-FSDP's model wrap and an fsdp_dtensor save find
+every shard's chunk with a few collectives, and what DCP writes is what megatron-core 0.19.2's
+own per-tensor code gives.
 
 Real pretrain_moe.py runs on 4 gloo ranks (Megatron-FSDP, optim_grads_params, SwiGLU, the
 distributed optimizer) save once; tests/_observed_launch.py ($CHUNK_DIR) counts the collectives
 megatron's `preprocess_fsdp_dtensor_state_dict` runs and compares, for every DTensor of the state
 dict it returns (model and optimizer states, the SwiGLU halves, empty shards), the chunk and DCP
 write items it carries with the ones megatron's `update_uneven_dtensor_chunk_metadata` gives
-(the reference). The patched and the unpatched run of one layout write the same checkpoint
+(the reference); the same for Megatron-FSDP's wrap of the model (`ParamAndGradBuffer`, the main
+weights' DTensors). The patched and the unpatched run of one layout write the same checkpoint
 metadata. A 2-rank worker checks that the batched validation refuses what megatron's
 `validate_uneven_dtensor` refuses.
 """
@@ -50,9 +52,10 @@ def saved_run(tmp_path: Path, layout: str, patched: bool = True) -> Path:
     return directory
 
 
-def observed(directory: Path) -> list[dict]:
-    calls = sorted((directory / "chunks").glob("chunks_call0_rank*.json"))
-    assert len(calls) == 4, calls  # one save, every rank
+def observed(directory: Path, call: str = "chunks_call0") -> list[dict]:
+    """Every rank's report of the save (chunks_call0) or of the model wrap (buffer0)."""
+    calls = sorted((directory / "chunks").glob(f"{call}_rank*.json"))
+    assert len(calls) == 4, calls  # one save, one buffer, every rank
     return [json.loads(path.read_text()) for path in calls]
 
 
@@ -62,7 +65,8 @@ def collectives(rank: dict) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_chunk_is_megatrons_with_a_few_collectives(layout, tmp_path):
-    ranks = observed(saved_run(tmp_path, layout))
+    directory = saved_run(tmp_path, layout)
+    ranks = observed(directory)
     for rank in ranks:
         assert rank["differ"] == [], rank["differ"][:5]
         assert rank["dtensors"] > 50  # model, optimizer states, SwiGLU halves
@@ -72,6 +76,10 @@ def test_every_chunk_is_megatrons_with_a_few_collectives(layout, tmp_path):
     assert any(rank["empty"] for rank in ranks)  # small parameters live on one rank only
     placements = {p for rank in ranks for p in rank["placements"]}
     assert any(p.startswith("(2, 2)") for p in placements), placements  # 2-D meshes
+    # Wrapping the model: the main weights' DTensors, each with megatron's chunk.
+    for rank in observed(directory, "buffer0"):
+        assert rank["differ"] == [] and rank["dtensors"] > 15, rank
+        assert collectives(rank) - rank["collectives"].get("broadcast", 0) <= 15, rank
 
 
 def test_unpatched_save_runs_collectives_per_tensor_and_writes_the_same_metadata(tmp_path):
@@ -81,6 +89,10 @@ def test_unpatched_save_runs_collectives_per_tensor_and_writes_the_same_metadata
         assert with_patch["dtensors"] == without["dtensors"]
         assert without["differ"] == []
         # megatron: several object gathers per DTensor
+        assert without["collectives"]["all_gather_object"] >= 2 * without["dtensors"], without
+        assert collectives(with_patch) * 10 < collectives(without)
+    for with_patch, without in zip(observed(patched, "buffer0"), observed(unpatched, "buffer0")):
+        assert with_patch["dtensors"] == without["dtensors"] and without["differ"] == []
         assert without["collectives"]["all_gather_object"] >= 2 * without["dtensors"], without
         assert collectives(with_patch) * 10 < collectives(without)
     metadata = [dcp.FileSystemReader(str(run / "ckpt" / "iter_0000001")).read_metadata()
