@@ -139,7 +139,8 @@ def _place_shards(group, entries) -> None:
     dims = [chunk.dtensor.placements[mesh_dim].dim for chunk, mesh_dim in entries]
     extents = collectives.gather_integers(
         [chunk.extent[dim] for (chunk, _), dim in zip(entries, dims)], group,
-        what="DTensor shards (the ranks' fsdp_dtensor state dicts differ)")
+        what="DTensor shards (the ranks hold different DTensors: an fsdp_dtensor state dict "
+             "with other keys, or another model)")
     rank = collectives.rank(group)
     for j, ((chunk, _), dim) in enumerate(zip(entries, dims)):
         chunk.offsets[dim] += sum(extents[r][j] for r in range(rank))
@@ -147,6 +148,8 @@ def _place_shards(group, entries) -> None:
 
 
 def place_chunks(dtensors: list) -> list[Chunk]:
+    """Each DTensor's chunk by megatron's rule, all at once; every rank of each group passes its
+    DTensors in the same order."""
     chunks = []
     for dtensor in dtensors:
         local_shape = list(dtensor.to_local().shape)
