@@ -12,6 +12,8 @@ the parameters with state. `preprocess_state_dict_for_uneven_dtensor` then runs 
 `all_gather_object` per DTensor key over the key's shard group, in sorted key order: ranks with
 different key lists pair different tensors' collectives, and the save (and the load, which
 builds the same dict) hangs, or on one shared group silently exchanges the wrong shapes.
+(fsdp-dtensor-batched-chunk-metadata, which replaces those gathers, counts each group's shards
+first: without this patch the ranks then stop with an error instead.)
 
 The fix: the optimizer's fsdp_dtensor state dict gets, for each parameter without state on this
 rank, the entries the other ranks hold for a parameter: a DTensor like the parameter with its

@@ -52,10 +52,10 @@ from moe_launcher.checkpoint_files.commit_protocol import TRACKER
 pytestmark = pytest.mark.slow
 
 ITERS, SAVED_AT = 4, 2
-# TINY_MODEL with 4 experts instead of 8: megatron's fsdp_dtensor save and load gather each
-# tensor's shard offsets with collectives of their own (several per expert weight and optimizer
-# state, a few ms each on 4 gloo ranks sharing 2 cores), ~6 s of every 8-expert run that saves
-# twice. 4 experts still split over EP 2 and ETP 2.
+# TINY_MODEL with 4 experts instead of 8: half the expert weights and optimizer states to train,
+# save and load (unpatched, megatron's fsdp_dtensor save ran collectives per tensor: ~6 s of an
+# 8-expert run that saves twice; see fsdp-dtensor-batched-chunk-metadata). 4 experts still split
+# over EP 2 and ETP 2.
 EXPERTS = 4
 MODEL = [str(EXPERTS) if previous == "--num-experts" else flag
          for previous, flag in zip(["", *TINY_MODEL], TINY_MODEL)]
