@@ -3,7 +3,7 @@ every shard's chunk with a few collectives, and what DCP writes is what megatron
 own per-tensor code gives.
 
 Real pretrain_moe.py runs on 4 gloo ranks (Megatron-FSDP, optim_grads_params, SwiGLU, the
-distributed optimizer) save once; tests/_observed_launch.py ($CHUNK_DIR) counts the collectives
+distributed optimizer; EP1 x ETP2, TP2 x SP x EP2, HSDP x TP2) save once; tests/_observed_launch.py ($CHUNK_DIR) counts the collectives
 megatron's `preprocess_fsdp_dtensor_state_dict` runs and compares, for every DTensor of the state
 dict it returns (model and optimizer states, the SwiGLU halves, empty shards), the chunk and DCP
 write items it carries with the ones megatron's `update_uneven_dtensor_chunk_metadata` gives
@@ -31,12 +31,19 @@ FSDP = [*MODEL, "--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-fo
         "fsdp_dtensor", "--moe-token-dispatcher-type", "alltoall",
         "--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "1",
         "--save-interval", "1"]
+# layout -> (flags, a mesh its DTensors lie on besides the data-parallel one)
 LAYOUTS = {
-    # experts sharded over ETP 2 and expert data parallelism 2 (2-D mesh), dense over DP 4
-    "etp2-ep1": ["--expert-tensor-parallel-size", "2"],
+    # experts sharded over ETP 2 and expert data parallelism 2, dense weights over DP 4
+    "etp2-ep1": (["--expert-tensor-parallel-size", "2"], "(2, 2)"),
     # dense weights split by TP 2 (+ SP): the SwiGLU halves are TP-sharded DTensors too
-    "tp2-sp-ep2-etp1": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+    "tp2-sp-ep2-etp1": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                         "1"], "(2, 2)"),
+    # hybrid FSDP (HSDP: 2 optimizer instances, optimizer states sharded over both) with TP 2:
+    # 3-D meshes with megatron's explicit shard order
+    "hsdp-tp2": (["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy",
+                  "optim", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 "(2, 1, 2)"),
 }
 
 
@@ -46,7 +53,7 @@ def saved_run(tmp_path: Path, layout: str, patched: bool = True) -> Path:
     env = {"CHUNK_DIR": str(directory / "chunks")}
     if not patched:
         env["MEGATRON_PATCHES_DISABLE"] = PATCH
-    run = launch(4, [*FSDP, *LAYOUTS[layout], "--save", str(directory / "ckpt")], env=env,
+    run = launch(4, [*FSDP, *LAYOUTS[layout][0], "--save", str(directory / "ckpt")], env=env,
                  script=OBSERVED, timeout=400).check()
     assert f"[megatron_patches] {PATCH}: {'applied' if patched else 'skipped'}" in run.log
     return directory
@@ -75,7 +82,7 @@ def test_every_chunk_is_megatrons_with_a_few_collectives(layout, tmp_path):
         assert collectives(rank) <= 40, rank["collectives"]
     assert any(rank["empty"] for rank in ranks)  # small parameters live on one rank only
     placements = {p for rank in ranks for p in rank["placements"]}
-    assert any(p.startswith("(2, 2)") for p in placements), placements  # 2-D meshes
+    assert any(p.startswith(LAYOUTS[layout][1]) for p in placements), placements
     # Wrapping the model: the main weights' DTensors, each with megatron's chunk.
     for rank in observed(directory, "buffer0"):
         assert rank["differ"] == [] and rank["dtensors"] > 15, rank
@@ -127,7 +134,7 @@ def test_ranks_offering_different_tensors_stop_with_an_error_not_a_hang(tmp_path
     offer different optimizer keys, and megatron's per-tensor gathers hang the save
     (test_fsdp_etp_cpu.py). The batched gathers count each group's shards first: every rank
     stops with an error saying so, and nothing is committed."""
-    run = launch(2, [*FSDP, *LAYOUTS["etp2-ep1"], "--save", str(tmp_path / "ckpt")],
+    run = launch(2, [*FSDP, *LAYOUTS["etp2-ep1"][0], "--save", str(tmp_path / "ckpt")],
                  env={"MEGATRON_PATCHES_DISABLE": "fsdp-dtensor-optimizer-keys"}, timeout=300)
     assert run.returncode != 0, run.log[-3000:]
     for rank in (0, 1):
