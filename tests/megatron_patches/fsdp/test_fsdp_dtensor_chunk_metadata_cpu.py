@@ -47,16 +47,27 @@ LAYOUTS = {
 }
 
 
-def saved_run(tmp_path: Path, layout: str, patched: bool = True) -> Path:
-    directory = tmp_path / f"{layout}-{'patched' if patched else 'unpatched'}"
-    (directory / "chunks").mkdir(parents=True)
-    env = {"CHUNK_DIR": str(directory / "chunks")}
-    if not patched:
-        env["MEGATRON_PATCHES_DISABLE"] = PATCH
-    run = launch(4, [*FSDP, *LAYOUTS[layout][0], "--save", str(directory / "ckpt")], env=env,
-                 script=OBSERVED, timeout=400).check()
-    assert f"[megatron_patches] {PATCH}: {'applied' if patched else 'skipped'}" in run.log
-    return directory
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """(layout, patched) -> the directory of its run (ckpt/, chunks/): one iteration, one save.
+    Each run once per module."""
+    runs = {}
+
+    def run(layout: str, patched: bool = True) -> Path:
+        if (layout, patched) not in runs:
+            directory = tmp_path_factory.mktemp(f"{layout}-{'patched' if patched else 'unpatched'}")
+            (directory / "chunks").mkdir()
+            env = {"CHUNK_DIR": str(directory / "chunks")}
+            if not patched:
+                env["MEGATRON_PATCHES_DISABLE"] = PATCH
+            log = launch(4, [*FSDP, *LAYOUTS[layout][0], "--save", str(directory / "ckpt")],
+                         env=env, script=OBSERVED, timeout=400).check().log
+            verdict = "applied" if patched else "skipped"
+            assert f"[megatron_patches] {PATCH}: {verdict}" in log
+            runs[layout, patched] = directory
+        return runs[layout, patched]
+
+    return run
 
 
 def observed(directory: Path, call: str = "chunks_call0") -> list[dict]:
@@ -71,8 +82,8 @@ def collectives(rank: dict) -> int:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_chunk_is_megatrons_with_a_few_collectives(layout, tmp_path):
-    directory = saved_run(tmp_path, layout)
+def test_every_chunk_is_megatrons_with_a_few_collectives(layout, saved_run):
+    directory = saved_run(layout)
     ranks = observed(directory)
     for rank in ranks:
         assert rank["differ"] == [], rank["differ"][:5]
@@ -89,9 +100,8 @@ def test_every_chunk_is_megatrons_with_a_few_collectives(layout, tmp_path):
         assert collectives(rank) - rank["collectives"].get("broadcast", 0) <= 15, rank
 
 
-def test_unpatched_save_runs_collectives_per_tensor_and_writes_the_same_metadata(tmp_path):
-    layout = "etp2-ep1"
-    patched, unpatched = saved_run(tmp_path, layout), saved_run(tmp_path, layout, patched=False)
+def test_unpatched_save_runs_collectives_per_tensor_and_writes_the_same_metadata(saved_run):
+    patched, unpatched = saved_run("etp2-ep1"), saved_run("etp2-ep1", patched=False)
     for with_patch, without in zip(observed(patched), observed(unpatched)):
         assert with_patch["dtensors"] == without["dtensors"]
         assert without["differ"] == []
