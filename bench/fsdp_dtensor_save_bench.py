@@ -31,17 +31,15 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from _launch import REPO, TINY_MODEL, launch  # noqa: E402
+from _launch import REPO, launch, tiny_model  # noqa: E402
 
 PATCH = "fsdp-dtensor-batched-chunk-metadata"
 _SAVE_TIMER = re.compile(r"save-checkpoint \.+: \(([\d.]+), ([\d.]+)\)")
 
 
 def arguments(experts: int, save: Path) -> list[str]:
-    model = [str(experts) if previous == "--num-experts" else flag
-             for previous, flag in zip(["", *TINY_MODEL], TINY_MODEL)]
-    return [*model, "--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
-            "fsdp_dtensor", "--moe-token-dispatcher-type", "alltoall",
+    return [*tiny_model(experts), "--use-megatron-fsdp", "--use-distributed-optimizer",
+            "--ckpt-format", "fsdp_dtensor", "--moe-token-dispatcher-type", "alltoall",
             "--data-parallel-sharding-strategy", "optim_grads_params",
             "--expert-tensor-parallel-size", "2", "--train-iters", "1", "--save-interval", "1",
             "--save", str(save), "--timing-log-level", "1"]

@@ -46,6 +46,12 @@ TINY_MODEL = [
 ]
 
 
+def tiny_model(experts: int) -> list[str]:
+    """TINY_MODEL with `experts` experts instead of 8."""
+    return [str(experts) if previous == "--num-experts" else flag
+            for previous, flag in zip(["", *TINY_MODEL], TINY_MODEL)]
+
+
 def _command(nproc: int, script: Path, args: list[str], torchrun: bool) -> list[str]:
     if torchrun:  # --standalone: torchrun picks its own free rendezvous port
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -351,7 +351,10 @@ def _chunk_report(path: str, counts, seconds: float, dtensors: dict) -> None:
 def _observe_chunks(checkpointing) -> None:
     from torch.distributed.tensor import DTensor
 
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer, uneven_dtensor
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import (
+        param_and_grad_buffer,
+        uneven_dtensor,
+    )
 
     preprocess, calls = checkpointing.preprocess_fsdp_dtensor_state_dict, itertools.count()
     buffer_init, buffers = param_and_grad_buffer.ParamAndGradBuffer.__init__, itertools.count()

@@ -176,7 +176,8 @@ def validate_chunks(chunks: list[Chunk]) -> None:
 
     for chunk in chunks:
         shape, sizes = chunk.dtensor.shape, chunk.dtensor.to_local().shape
-        assert all(0 <= o and o + s <= shape[d] for d, (o, s) in enumerate(zip(chunk.offsets, sizes))), (
+        spans = enumerate(zip(chunk.offsets, sizes))
+        assert all(0 <= o and o + s <= shape[d] for d, (o, s) in spans), (
             f"[Megatron-FSDP] DTensor chunk metadata is invalid. Offsets: {chunk.offsets}, "
             f"sizes: {list(sizes)}, global shape: {list(shape)}, mesh: {chunk.dtensor.device_mesh}")
     if dist.is_initialized() and dist.get_backend() == "fake":
@@ -209,7 +210,8 @@ def _write_items(chunk_metadata, fqn, dtensor):
         return []
     return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk_metadata.offsets),
                       tensor_data=TensorWriteData(
-                          chunk=chunk_metadata, properties=TensorProperties.create_from_tensor(local),
+                          chunk=chunk_metadata,
+                          properties=TensorProperties.create_from_tensor(local),
                           size=dtensor.size()))]
 
 

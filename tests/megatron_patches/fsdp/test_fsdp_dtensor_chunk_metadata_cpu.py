@@ -3,9 +3,10 @@ every shard's chunk with a few collectives, and what DCP writes is what megatron
 own per-tensor code gives.
 
 Real pretrain_moe.py runs on 4 gloo ranks (Megatron-FSDP, optim_grads_params, SwiGLU, the
-distributed optimizer; EP1 x ETP2, TP2 x SP x EP2, HSDP x TP2) save once; tests/_observed_launch.py ($CHUNK_DIR) counts the collectives
-megatron's `preprocess_fsdp_dtensor_state_dict` runs and compares, for every DTensor of the state
-dict it returns (model and optimizer states, the SwiGLU halves, empty shards), the chunk and DCP
+distributed optimizer; EP1 x ETP2, TP2 x SP x EP2, HSDP x TP2) save once;
+tests/_observed_launch.py ($CHUNK_DIR) counts the collectives megatron's
+`preprocess_fsdp_dtensor_state_dict` runs and compares, for every DTensor of the state dict it
+returns (model and optimizer states, the SwiGLU halves, empty shards), the chunk and DCP
 write items it carries with the ones megatron's `update_uneven_dtensor_chunk_metadata` gives
 (the reference); the same for Megatron-FSDP's wrap of the model (`ParamAndGradBuffer`, the main
 weights' DTensors). The patched and the unpatched run of one layout write the same checkpoint
@@ -19,15 +20,13 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from _launch import REPO, TINY_MODEL, launch
+from _launch import REPO, launch, tiny_model
 
 pytestmark = pytest.mark.slow
 
 PATCH = "fsdp-dtensor-batched-chunk-metadata"
 OBSERVED = REPO / "tests" / "_observed_launch.py"
-MODEL = [("4" if previous == "--num-experts" else flag)
-         for previous, flag in zip(["", *TINY_MODEL], TINY_MODEL)]
-FSDP = [*MODEL, "--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
+FSDP = [*tiny_model(4), "--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
         "fsdp_dtensor", "--moe-token-dispatcher-type", "alltoall",
         "--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "1",
         "--save-interval", "1"]

@@ -46,7 +46,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from _launch import REPO, TINY_MODEL, LiveRun, audit_report, launch, tensorboard_scalars
+from _launch import REPO, LiveRun, audit_report, launch, tensorboard_scalars, tiny_model
 from moe_launcher.checkpoint_files.commit_protocol import TRACKER
 
 pytestmark = pytest.mark.slow
@@ -57,8 +57,7 @@ ITERS, SAVED_AT = 4, 2
 # 8-expert run that saves twice; see fsdp-dtensor-batched-chunk-metadata). 4 experts still split
 # over EP 2 and ETP 2.
 EXPERTS = 4
-MODEL = [str(EXPERTS) if previous == "--num-experts" else flag
-         for previous, flag in zip(["", *TINY_MODEL], TINY_MODEL)]
+MODEL = tiny_model(EXPERTS)
 FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
         "--moe-token-dispatcher-type", "alltoall"]
 LAYOUTS = {
