@@ -15,6 +15,7 @@ vocabulary the config takes), the config, then the globals that write.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import os
@@ -169,9 +170,24 @@ def set_megatron_globals(args: argparse.Namespace) -> None:
         set_global_variables(args, build_tokenizer=False)
 
 
-def _parser_errors_refused(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """megatron's parser, whose errors (an unknown flag, a bad value) are refusals instead of
-    argparse's usage text and exit: its own parser instance, through megatron's hook for it."""
+def _help_printable(parser: argparse.ArgumentParser) -> None:
+    """argparse expands every help string with `%` when it prints `--help`, and megatron-core
+    0.19.2 has a help string with a bare `%` (--moe-paged-stash-buffer-size-factor-cuda: "(e.g.
+    1.10 = 10%)."): `pretrain_moe.py --help` died with a ValueError traceback instead of listing
+    the flags. In a help string that does not expand, each `%` that starts no `%(name)s` field
+    is written as `%%`, which prints as itself."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % collections.defaultdict(str)
+            except (ValueError, TypeError):
+                action.help = re.sub(r"%(?![(%])", "%%", action.help)
+
+
+def _launcher_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron's parser (its own instance, through megatron's hook for it) with errors (an
+    unknown flag, a bad value) as refusals instead of argparse's usage text and exit, and a
+    `--help` that prints."""
     def refuse(message: str):
         flags = re.findall(r"--[a-z0-9][a-z0-9_-]*", message)
         flag = flags[0] if flags else "the command line"
@@ -179,6 +195,7 @@ def _parser_errors_refused(parser: argparse.ArgumentParser) -> argparse.Argument
                                    "--help` lists every flag)")
 
     parser.error = refuse
+    _help_printable(parser)
     return parser
 
 
@@ -190,7 +207,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     from megatron.training.arguments import parse_args
 
     sys.argv = [sys.argv[0], *argv]
-    return parse_args(extra_args_provider=_parser_errors_refused)
+    return parse_args(extra_args_provider=_launcher_parser)
 
 
 def checked_command_line(argv: list[str]):

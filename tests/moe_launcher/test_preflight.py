@@ -220,6 +220,19 @@ def test_every_rank_of_a_world_refuses_and_rank_0_explains(tmp_path):
     assert_refused(run, world, flag, save, time.monotonic() - started)
 
 
+def test_help_lists_every_flag():
+    """Every refusal of a flag megatron's parser rejects points at `pretrain_moe.py --help`.
+    megatron-core 0.19.2's help of --moe-paged-stash-buffer-size-factor-cuda has a bare `%`,
+    which argparse's help expansion rejects: the command died with a ValueError traceback."""
+    run = launch(1, ["--help"], timeout=180)
+    assert run.returncode == 0 and "Traceback" not in run.log, run.log[-3000:]
+    assert "usage: pretrain_moe.py" in run.log, run.log[-3000:]
+    # argparse's own rendering of megatron's help: the bare `%` printed as itself.
+    assert "(e.g. 1.10 = 10%)." in run.log
+    assert all(flag in run.log for flag in ("--moe-router-topk", "--expert-tensor-parallel-size",
+                                            "--moe-paged-stash-buffer-size-factor-cuda"))
+
+
 def test_unsupported_megatron_core_is_refused_with_status_2(tmp_path):
     dist_info = tmp_path / "site" / "megatron_core-0.18.0.dist-info"
     dist_info.mkdir(parents=True)
