@@ -74,7 +74,8 @@ def megatron_flags(family: Family, config) -> list[str]:
     return flags + family.flags(config)
 
 
-# Saved args that every family needs as they are; anything else is a model no family maps.
+# Saved args that every family needs as they are (but those a family maps itself, its
+# `maps_args`); anything else is a model no family maps.
 _REQUIRED_ARGS = {
     "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False, "add_qkv_bias": False,
     "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
@@ -102,8 +103,10 @@ def _single(value, name: str):
     return value
 
 
-def check_exportable(args) -> None:
+def check_exportable(family: Family, args) -> None:
     for name, wanted in _REQUIRED_ARGS.items():
+        if name in family.maps_args:
+            continue
         value = getattr(args, name, wanted)
         if value != wanted:
             raise ConvertError(f"the checkpoint's {name}={value!r} has no Hugging Face mapping "
@@ -127,7 +130,7 @@ def vocab_size(args) -> int:
 
 def hf_config_kwargs(family: Family, args, dtype: str) -> dict:
     """The HF config (keyword arguments of the family's config class) of saved megatron args."""
-    check_exportable(args)
+    check_exportable(family, args)
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     return {
         "architectures": [family.architecture], "dtype": dtype,

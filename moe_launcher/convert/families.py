@@ -30,6 +30,13 @@ class Family:
     config_keys: Callable[[object], dict]
     # Saved megatron args that tell this family apart on export (all must hold).
     marks: dict = dataclasses.field(default_factory=dict)
+    # The config key that gives q, k and v projections a bias (megatron --add-qkv-bias), if any.
+    qkv_bias_key: str | None = None
+    # HF names under `model.layers.{i}.` of the shared expert's gate, up and down projections and
+    # of its sigmoid gate (megatron --moe-shared-expert-intermediate-size, --moe-shared-expert-gate).
+    shared_expert: tuple[str, str, str, str] | None = None
+    # Saved megatron args the family maps itself (export does not require their defaults).
+    maps_args: frozenset = frozenset()
 
 
 def refuse_if(condition: bool, key: str, value, why: str) -> None:
@@ -37,7 +44,8 @@ def refuse_if(condition: bool, key: str, value, why: str) -> None:
         raise ConvertError(f"config.json sets {key}={value!r}: {why}")
 
 
-def _qwen3_moe_flags(config) -> list[str]:
+def _qwen_moe_flags(config) -> list[str]:
+    """Qwen2-MoE's and Qwen3-MoE's shared keys: the sliding window, the dense layers, the router."""
     refuse_if(bool(getattr(config, "use_sliding_window", False)), "use_sliding_window", True,
               "the launcher's attention is full causal attention (megatron's --window-size is "
               "not mapped)")
@@ -45,17 +53,30 @@ def _qwen3_moe_flags(config) -> list[str]:
               "dense MLP layers between the MoE layers (--moe-layer-freq) are not mapped yet")
     refuse_if(config.decoder_sparse_step != 1, "decoder_sparse_step", config.decoder_sparse_step,
               "dense MLP layers between the MoE layers (--moe-layer-freq) are not mapped yet")
-    # Qwen3-MoE takes the top-k of the softmax over all experts and renormalises them only with
+    # Qwen-MoE takes the top-k of the softmax over all experts and renormalises them only with
     # norm_topk_prob; megatron's --moe-router-pre-softmax is the same softmax without the
     # renormalisation, its default (top-k logits, then softmax) is the renormalised one.
     flags = ["--ffn-hidden-size", str(config.intermediate_size)]
     return flags if config.norm_topk_prob else flags + ["--moe-router-pre-softmax"]
 
 
-def _qwen3_moe_config(args) -> dict:
+def _qwen_moe_config(args) -> dict:
     return {"moe_intermediate_size": args.moe_ffn_hidden_size,
             "intermediate_size": args.ffn_hidden_size, "num_experts": args.num_experts,
             "norm_topk_prob": not args.moe_router_pre_softmax}
+
+
+def _qwen2_moe_flags(config) -> list[str]:
+    # Every Qwen2-MoE layer adds a shared expert, scaled by a sigmoid of a linear gate on the
+    # same input: megatron's shared expert with --moe-shared-expert-gate.
+    flags = ["--moe-shared-expert-intermediate-size", str(config.shared_expert_intermediate_size),
+             "--moe-shared-expert-gate"]
+    return _qwen_moe_flags(config) + flags + (["--add-qkv-bias"] if config.qkv_bias else [])
+
+
+def _qwen2_moe_config(args) -> dict:
+    return {**_qwen_moe_config(args), "qkv_bias": bool(args.add_qkv_bias),
+            "shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size}
 
 
 def _mixtral_flags(config) -> list[str]:
@@ -78,8 +99,20 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                                "mlp.experts.{e}.down_proj.weight"),
            qk_norm=True, expert_width_key="moe_intermediate_size", experts_key="num_experts",
-           flags=_qwen3_moe_flags, config_keys=_qwen3_moe_config,
+           flags=_qwen_moe_flags, config_keys=_qwen_moe_config,
            marks={"qk_layernorm": True}),
+    Family(architecture="Qwen2MoeForCausalLM", config_class="Qwen2MoeConfig",
+           router="mlp.gate.weight",
+           expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                               "mlp.experts.{e}.down_proj.weight"),
+           qk_norm=False, expert_width_key="moe_intermediate_size", experts_key="num_experts",
+           flags=_qwen2_moe_flags, config_keys=_qwen2_moe_config,
+           marks={"qk_layernorm": False, "moe_shared_expert_gate": True},
+           qkv_bias_key="qkv_bias",
+           shared_expert=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                          "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"),
+           maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
+                                "moe_shared_expert_gate"})),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
            router="block_sparse_moe.gate.weight",
            expert_projections=("block_sparse_moe.experts.{e}.w1.weight",
@@ -87,7 +120,8 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
                                "block_sparse_moe.experts.{e}.w2.weight"),
            qk_norm=False, expert_width_key="intermediate_size", experts_key="num_local_experts",
            flags=_mixtral_flags, config_keys=_mixtral_config,
-           marks={"qk_layernorm": False, "moe_router_pre_softmax": False}),
+           marks={"qk_layernorm": False, "moe_router_pre_softmax": False,
+                  "moe_shared_expert_gate": False}),
 )}
 
 REFUSED: dict[str, str] = {

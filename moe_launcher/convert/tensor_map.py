@@ -3,8 +3,10 @@ spec), and the two layouts megatron fuses:
 
 * `linear_qkv`: per query group g, the group's query heads, then its key head, then its value
   head ([g0: q.. k v][g1: q.. k v]...), rows of head_dim each; HF keeps q, k, v apart.
-* an expert's `linear_fc1`: the SwiGLU gate rows, then the up rows (megatron's swiglu takes
-  silu of the first half times the second); HF keeps gate_proj and up_proj apart.
+  The q, k and v biases (Qwen2-MoE) are fused the same way.
+* an expert's (and the shared expert's) `linear_fc1`: the SwiGLU gate rows, then the up rows
+  (megatron's swiglu takes silu of the first half times the second); HF keeps gate_proj and
+  up_proj apart.
 
 Embedding and output layer carry megatron's padded vocabulary; the rows past the HF vocabulary
 are zeros on import and are dropped on export.
@@ -41,6 +43,9 @@ def rules(family: Family, config) -> list[Rule]:
                  tuple(f"{hf}self_attn.{p}_proj.weight" for p in "qkv"), QKV),
             Rule(attention + "linear_proj.weight", (hf + "self_attn.o_proj.weight",), COPY),
         ]
+        if family.qkv_bias_key and getattr(config, family.qkv_bias_key):
+            found.append(Rule(attention + "linear_qkv.bias",
+                              tuple(f"{hf}self_attn.{p}_proj.bias" for p in "qkv"), QKV))
         if family.qk_norm:
             found += [Rule(attention + f"{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",),
                            COPY) for p in "qk"]
@@ -53,6 +58,12 @@ def rules(family: Family, config) -> list[Rule]:
             found += [Rule(expert + "linear_fc1.weight",
                            (hf + gate.format(e=e), hf + up.format(e=e)), GATE_UP),
                       Rule(expert + "linear_fc2.weight", (hf + down.format(e=e),), COPY)]
+        if family.shared_expert:
+            gate, up, down, sigmoid_gate = family.shared_expert
+            shared = mc + "mlp.shared_experts."
+            found += [Rule(shared + "linear_fc1.weight", (hf + gate, hf + up), GATE_UP),
+                      Rule(shared + "linear_fc2.weight", (hf + down,), COPY),
+                      Rule(shared + "gate_weight", (hf + sigmoid_gate,), COPY)]
     found.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
     if not config.tie_word_embeddings:
         found.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
@@ -76,9 +87,9 @@ def fuse(rule: Rule, tensors: list[torch.Tensor], config, padded_vocab: int) -> 
         return torch.cat([table, table.new_zeros(padded_vocab - table.shape[0], table.shape[1])])
     groups, per_group, dim = _groups(config)
     q, k, v = tensors
-    hidden = q.shape[1]
-    return torch.cat([q.reshape(groups, per_group * dim, hidden), k.reshape(groups, dim, hidden),
-                      v.reshape(groups, dim, hidden)], dim=1).reshape(-1, hidden)
+    rest = q.shape[1:]  # (hidden,) for the weights, () for the biases
+    return torch.cat([q.reshape(groups, per_group * dim, *rest), k.reshape(groups, dim, *rest),
+                      v.reshape(groups, dim, *rest)], dim=1).reshape(-1, *rest)
 
 
 def hf_shapes(rule: Rule, target: tuple[int, ...], config) -> list[tuple[int, ...]]:
@@ -91,8 +102,8 @@ def hf_shapes(rule: Rule, target: tuple[int, ...], config) -> list[tuple[int, ..
     if rule.layout == VOCAB:
         return [(config.vocab_size, *target[1:])]
     groups, per_group, dim = _groups(config)
-    hidden = target[1]
-    return [(groups * per_group * dim, hidden), (groups * dim, hidden), (groups * dim, hidden)]
+    rest = tuple(target[1:])
+    return [(groups * per_group * dim, *rest), (groups * dim, *rest), (groups * dim, *rest)]
 
 
 def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
@@ -106,10 +117,10 @@ def split(rule: Rule, param: torch.Tensor, config) -> list[torch.Tensor]:
         parts = [param[:config.vocab_size]]
     else:
         groups, per_group, dim = _groups(config)
-        hidden = param.shape[1]
-        q, k, v = param.reshape(groups, (per_group + 2) * dim, hidden).split(
+        rest = param.shape[1:]
+        q, k, v = param.reshape(groups, (per_group + 2) * dim, *rest).split(
             [per_group * dim, dim, dim], dim=1)
-        parts = [t.reshape(-1, hidden) for t in (q, k, v)]
+        parts = [t.reshape(-1, *rest) for t in (q, k, v)]
     return [part.detach().contiguous() for part in parts]
 
 

@@ -46,6 +46,18 @@ def _mixtral():
                          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 
 
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig
+
+    # Qwen1.5-MoE's layout: q, k, v biases, a shared expert behind a sigmoid gate, the
+    # un-renormalised top-k.
+    return Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                          norm_topk_prob=False, qkv_bias=True)
+
+
 def _qwen3_moe_tied():
     config = _qwen3_moe()
     config.tie_word_embeddings = True
@@ -58,7 +70,7 @@ def _qwen3_moe_tied_bf16():
     return config
 
 
-FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral}
+FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -207,6 +219,20 @@ def test_round_trip_is_bit_identical(converted):
     assert not any(info.values()), f"from_pretrained reports {info}"
 
 
+@pytest.mark.parametrize("spec", ["transformer_engine", "local"])
+def test_qwen2_moe_round_trips_through_fsdp_dtensor(spec, family_conversions, tmp_path):
+    """The shared expert's fused fc1 (saved as its SwiGLU halves) and gate, and the fused q, k,
+    v biases, through Megatron-FSDP's format under either spec's names and back: HF ->
+    torch_dist -> fsdp_dtensor -> torch_dist -> HF gives every tensor bit-identical."""
+    _, hf_dir, ckpt, _ = family_conversions("qwen2_moe")
+    convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp", "--transformer-impl", spec)
+    convert("to-torch-dist", tmp_path / "fsdp", tmp_path / "torch_dist")
+    convert("export-hf", tmp_path / "torch_dist", tmp_path / "hf")
+    before, after = _hf_tensors(hf_dir), _hf_tensors(tmp_path / "hf")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
 def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
     _, hf_dir, ckpt, exported = family_conversions("qwen3_moe_tied_bf16")
     flags = (ckpt / "model_flags.txt").read_text().split()
@@ -226,7 +252,8 @@ def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("t7") == 7
     # the family, judged from the checkpoint's args, is said
     assert "convert: export-hf: MixtralForCausalLM, the Hugging Face model whose forward the " \
-           "checkpoint's args compute (qk_layernorm=False, moe_router_pre_softmax=False)" \
+           "checkpoint's args compute (qk_layernorm=False, moe_router_pre_softmax=False, " \
+           "moe_shared_expert_gate=False)" \
            in run.stdout, run.stdout
     # without --config-from, a line says which token ids are the class's defaults
     assert "are MixtralConfig's defaults; --config-from the source model's folder" in run.stdout
@@ -777,6 +804,26 @@ def test_fused_cross_entropy_trains_as_transformers_does(family_conversions, tmp
         _differences(runs["unpatched"], reference)), runs["unpatched"]
 
 
+def test_shared_expert_and_qkv_biases_train_as_transformers_does(family_conversions, tmp_path):
+    """A Qwen2-MoE import (q, k, v biases split over TP with their heads; the shared expert's
+    SwiGLU split over TP, its sigmoid gate replicated, its input split over the sequence) at
+    TP2 x SP x EP2 x ETP1 (2 ranks, two micro-batches of distinct samples) with the
+    load-balancing loss: three steps log transformers' Qwen2MoeForCausalLM's losses and
+    gradient norms (1e-5), and the weights moved enough for the comparison to see them."""
+    _, hf_dir, ckpt, _ = family_conversions("qwen2_moe")
+    corpus = str(tmp_path / "corpus_text_document")
+    _random_corpus(corpus, seed=7)
+    steps, lr, coeff = 3, 1e-3, 0.1
+    launched = _launched_steps(ckpt, corpus, tmp_path / "run", [*TP2_SP_EP2, "--micro-batch-size",
+                                                                "1"],
+                               iterations=steps, lr=lr, aux_loss_coeff=coeff)
+    batches = _megatron_batches(corpus, steps, 2)
+    reference = _transformers_steps(hf_dir, batches, lr, aux_loss_coeff=coeff)
+    assert not _differences(launched, reference), _differences(launched, reference)
+    assert _moved_by_training(launched, hf_dir, batches, aux_loss_coeff=coeff)
+    print(f"Qwen2-MoE at TP2 x SP x EP2: {launched}; transformers' {reference}")
+
+
 def test_eod_mask_loss_trains_as_transformers_does(family_conversions, tmp_path):
     """--eod-mask-loss: megatron's GPTDataset keeps no loss where the input token is the
     end-of-document id (the next document's first token is not predicted). On documents of 4 to
@@ -881,13 +928,29 @@ def test_tied_embeddings_train_as_transformers_does_across_pipeline_stages(famil
 ])  # (moe_latent_size: megatron's parser wants Transformer Engine for it)
 def test_export_refuses_models_no_family_maps(remove, add, named, family_conversions,
                                               monkeypatch):
-    """Args as megatron's parser and validation make them for the imported flags, changed."""
+    _assert_export_refuses("qwen3_moe", remove, add, named, family_conversions, monkeypatch)
+
+
+@pytest.mark.parametrize("remove, add, named", [
+    # a shared expert without Qwen2-MoE's sigmoid gate
+    (("--moe-shared-expert-gate",), (), "no Hugging Face family"),
+    # per-head q/k norms: Qwen3-MoE's, which has no q, k, v biases (nor a shared expert)
+    ((), ("--qk-layernorm",), "add_qkv_bias=True has no Hugging Face mapping"),
+])
+def test_export_refuses_qwen2_moe_variants_no_family_maps(remove, add, named, family_conversions,
+                                                          monkeypatch):
+    _assert_export_refuses("qwen2_moe", remove, add, named, family_conversions, monkeypatch)
+
+
+def _assert_export_refuses(source: str, remove, add, named, family_conversions, monkeypatch):
+    """Args as megatron's parser and validation make them for `source`'s imported flags
+    without `remove`, with `add`: export refuses them, naming `named`."""
     from moe_launcher.convert import megatron_side
     from moe_launcher.convert.architecture import hf_config_kwargs
     from moe_launcher.convert.errors import ConvertError
     from moe_launcher.convert.families import family_of_args
 
-    _, _, ckpt, _ = family_conversions("qwen3_moe")
+    _, _, ckpt, _ = family_conversions(source)
     flags = [flag for flag in (ckpt / "model_flags.txt").read_text().split() if flag not in remove]
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
     args, _ = megatron_side.args_of_flags([*flags, *add], SEQ)
