@@ -71,6 +71,13 @@ def megatron_flags(family: Family, config) -> list[str]:
         flags.append("--untie-embeddings-and-output-weights")
     if family.qk_norm:
         flags.append("--qk-layernorm")
+    moe_layers = family.moe_layers(config)
+    if not any(moe_layers):
+        raise ConvertError(f"config.json makes none of its {len(moe_layers)} layers a MoE layer "
+                           "(a dense model; this converter maps MoE families)")
+    if not all(moe_layers):
+        # megatron's list form (its integer form counts from layer 0, HF's sparse step from 1)
+        flags += ["--moe-layer-freq", f"[{','.join(str(int(moe)) for moe in moe_layers)}]"]
     return flags + family.flags(config)
 
 
@@ -103,7 +110,9 @@ def _single(value, name: str):
     return value
 
 
-def check_exportable(family: Family, args) -> None:
+def check_exportable(family: Family, args, moe_layers: list[bool]) -> None:
+    """Refuses saved args (and the MoE layers of the model megatron built from them, one entry
+    a decoder layer) that the family's Hugging Face model does not compute."""
     for name, wanted in _REQUIRED_ARGS.items():
         if name in family.maps_args:
             continue
@@ -111,11 +120,12 @@ def check_exportable(family: Family, args) -> None:
         if value != wanted:
             raise ConvertError(f"the checkpoint's {name}={value!r} has no Hugging Face mapping "
                                f"here (needs {wanted!r})")
-    freq = args.moe_layer_freq  # 1, another integer (every N-th layer MoE), or a list per layer
-    every_layer_moe = freq == 1 or (isinstance(freq, (list, tuple)) and all(l == 1 for l in freq))
-    if not args.num_experts or not every_layer_moe:
-        raise ConvertError(f"the checkpoint's num_experts={args.num_experts!r}, moe_layer_freq="
-                           f"{freq!r}: only models whose every layer is MoE map to a family yet")
+    if not args.num_experts or not any(moe_layers):
+        raise ConvertError(f"the checkpoint's num_experts={args.num_experts!r}: a model without "
+                           "MoE layers maps to no MoE family")
+    if not all(moe_layers) and family.dense_mlp is None:
+        raise ConvertError(f"the checkpoint's moe_layer_freq={args.moe_layer_freq!r} builds dense "
+                           f"layers, which {family.architecture} does not have")
     if _single(args.moe_router_load_balancing_type, "moe_router_load_balancing_type") not in (
             "aux_loss", "none"):
         raise ConvertError(f"the checkpoint's moe_router_load_balancing_type="
@@ -128,9 +138,10 @@ def vocab_size(args) -> int:
     return args.vocab_size or args.padded_vocab_size
 
 
-def hf_config_kwargs(family: Family, args, dtype: str) -> dict:
-    """The HF config (keyword arguments of the family's config class) of saved megatron args."""
-    check_exportable(family, args)
+def hf_config_kwargs(family: Family, args, dtype: str, moe_layers: list[bool]) -> dict:
+    """The HF config (keyword arguments of the family's config class) of saved megatron args
+    and the MoE layers of the model megatron built from them."""
+    check_exportable(family, args, moe_layers)
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     return {
         "architectures": [family.architecture], "dtype": dtype,
@@ -145,5 +156,5 @@ def hf_config_kwargs(family: Family, args, dtype: str) -> dict:
         "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
         "num_experts_per_tok": args.moe_router_topk,
         "router_aux_loss_coef": _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff"),
-        **family.config_keys(args),
+        **family.config_keys(args, [i for i, moe in enumerate(moe_layers) if not moe]),
     }

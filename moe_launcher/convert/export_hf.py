@@ -27,6 +27,8 @@ from .tensor_map import hf_shapes, rules, split, unmapped
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Derived keys that are training settings, not the model: --config-from may differ there.
 _TRAINING_KEYS = {"dtype", "attention_dropout", "initializer_range", "router_aux_loss_coef"}
+# Keys that say which layers are MoE layers, compared by the layers they make.
+_LAYER_KEYS = {"mlp_only_layers", "decoder_sparse_step"}
 
 
 def _source_config(config_from: str, family, derived: dict) -> dict:
@@ -38,12 +40,18 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
                            f"config, the checkpoint a {family.architecture}")
     import transformers
 
-    known = getattr(transformers, family.config_class)(**source).to_dict()
+    config_class = getattr(transformers, family.config_class)
+    known = config_class(**source).to_dict()
     for key, value in derived.items():
         # (None: a key the config leaves to its modelling code, e.g. Mixtral's head_dim)
-        if key not in _TRAINING_KEYS and known.get(key) is not None and known[key] != value:
+        if key not in _TRAINING_KEYS | _LAYER_KEYS and known.get(key) is not None \
+                and known[key] != value:
             raise ConvertError(f"--config-from {config_from} sets {key}={known[key]!r}, but the "
                                f"checkpoint's model has {value!r}: it is another model's config")
+    # The same layers may be named otherwise (Qwen's decoder_sparse_step or mlp_only_layers).
+    if family.moe_layers(config_class(**source)) != family.moe_layers(config_class(**derived)):
+        raise ConvertError(f"--config-from {config_from} makes other layers MoE layers than the "
+                           "checkpoint's model: it is another model's config")
     return source
 
 
@@ -73,7 +81,9 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     family = family_of_args(args)
     model_config = megatron_side.world_one_config(args)
     dtype = str(model_config.params_dtype).removeprefix("torch.")
-    derived = hf_config_kwargs(family, args, dtype)
+    with torch.device("meta"):  # shapes and names only: the weights stream from the checkpoint
+        model = megatron_side.build(model_config)
+    derived = hf_config_kwargs(family, args, dtype, megatron_side.moe_layers(model))
     source = _source_config(config_from, family, derived) if config_from else {}
     config = getattr(transformers, family.config_class)(
         **derived, **{key: source[key] for key in TOKEN_IDS if key in source})
@@ -82,8 +92,6 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
               f" are {family.config_class}'s defaults; --config-from the source model's folder "
               f"keeps its own (and its generation_config.json)", flush=True)
     tokenizer = tokenizer or _run_tokenizer(args)
-    with torch.device("meta"):  # shapes and names only: the weights stream from the checkpoint
-        model = megatron_side.build(model_config)
     params = model.state_dict()
     if dropped := unmapped(params, family, config):
         raise ConvertError(f"the checkpoint's {', '.join(dropped[:3])}"

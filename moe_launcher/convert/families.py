@@ -26,8 +26,9 @@ class Family:
     experts_key: str  # the config key of the number of experts
     # The family's own config keys to megatron flags (refusing what megatron cannot build).
     flags: Callable[[object], list[str]]
-    # The family's own config keys from the args saved in a checkpoint.
-    config_keys: Callable[[object], dict]
+    # The family's own config keys from the args saved in a checkpoint and the indices of the
+    # dense (not MoE) layers of the model megatron built from them.
+    config_keys: Callable[[object, list[int]], dict]
     # Saved megatron args that tell this family apart on export (all must hold).
     marks: dict = dataclasses.field(default_factory=dict)
     # The config key that gives q, k and v projections a bias (megatron --add-qkv-bias), if any.
@@ -37,6 +38,11 @@ class Family:
     shared_expert: tuple[str, str, str, str] | None = None
     # Saved megatron args the family maps itself (export does not require their defaults).
     maps_args: frozenset = frozenset()
+    # Which layers of a config are MoE layers (the others dense MLPs), as the family's
+    # transformers model decides; and the HF names under `model.layers.{i}.` of a dense layer's
+    # gate, up and down projections (None: every layer of the family is a MoE layer).
+    moe_layers: Callable[[object], list[bool]] = lambda config: [True] * config.num_hidden_layers
+    dense_mlp: tuple[str, str, str] | None = None
 
 
 def refuse_if(condition: bool, key: str, value, why: str) -> None:
@@ -44,15 +50,19 @@ def refuse_if(condition: bool, key: str, value, why: str) -> None:
         raise ConvertError(f"config.json sets {key}={value!r}: {why}")
 
 
+def _qwen_moe_layers(config) -> list[bool]:
+    """Qwen2-MoE's and Qwen3-MoE's rule (their decoder layers'): layer i is a MoE layer unless
+    it is in mlp_only_layers or i + 1 is not a multiple of decoder_sparse_step."""
+    return [i not in config.mlp_only_layers and config.num_experts > 0
+            and (i + 1) % config.decoder_sparse_step == 0
+            for i in range(config.num_hidden_layers)]
+
+
 def _qwen_moe_flags(config) -> list[str]:
-    """Qwen2-MoE's and Qwen3-MoE's shared keys: the sliding window, the dense layers, the router."""
+    """Qwen2-MoE's and Qwen3-MoE's shared keys: the sliding window, the router."""
     refuse_if(bool(getattr(config, "use_sliding_window", False)), "use_sliding_window", True,
               "the launcher's attention is full causal attention (megatron's --window-size is "
               "not mapped)")
-    refuse_if(bool(config.mlp_only_layers), "mlp_only_layers", config.mlp_only_layers,
-              "dense MLP layers between the MoE layers (--moe-layer-freq) are not mapped yet")
-    refuse_if(config.decoder_sparse_step != 1, "decoder_sparse_step", config.decoder_sparse_step,
-              "dense MLP layers between the MoE layers (--moe-layer-freq) are not mapped yet")
     # Qwen-MoE takes the top-k of the softmax over all experts and renormalises them only with
     # norm_topk_prob; megatron's --moe-router-pre-softmax is the same softmax without the
     # renormalisation, its default (top-k logits, then softmax) is the renormalised one.
@@ -60,10 +70,11 @@ def _qwen_moe_flags(config) -> list[str]:
     return flags if config.norm_topk_prob else flags + ["--moe-router-pre-softmax"]
 
 
-def _qwen_moe_config(args) -> dict:
+def _qwen_moe_config(args, dense_layers: list[int]) -> dict:
     return {"moe_intermediate_size": args.moe_ffn_hidden_size,
             "intermediate_size": args.ffn_hidden_size, "num_experts": args.num_experts,
-            "norm_topk_prob": not args.moe_router_pre_softmax}
+            "norm_topk_prob": not args.moe_router_pre_softmax,
+            "mlp_only_layers": dense_layers, "decoder_sparse_step": 1}
 
 
 def _qwen2_moe_flags(config) -> list[str]:
@@ -74,8 +85,8 @@ def _qwen2_moe_flags(config) -> list[str]:
     return _qwen_moe_flags(config) + flags + (["--add-qkv-bias"] if config.qkv_bias else [])
 
 
-def _qwen2_moe_config(args) -> dict:
-    return {**_qwen_moe_config(args), "qkv_bias": bool(args.add_qkv_bias),
+def _qwen2_moe_config(args, dense_layers: list[int]) -> dict:
+    return {**_qwen_moe_config(args, dense_layers), "qkv_bias": bool(args.add_qkv_bias),
             "shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size}
 
 
@@ -89,7 +100,7 @@ def _mixtral_flags(config) -> list[str]:
     return ["--ffn-hidden-size", str(config.intermediate_size)]
 
 
-def _mixtral_config(args) -> dict:
+def _mixtral_config(args, dense_layers: list[int]) -> dict:
     return {"intermediate_size": args.moe_ffn_hidden_size, "num_local_experts": args.num_experts}
 
 
@@ -100,7 +111,9 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
                                "mlp.experts.{e}.down_proj.weight"),
            qk_norm=True, expert_width_key="moe_intermediate_size", experts_key="num_experts",
            flags=_qwen_moe_flags, config_keys=_qwen_moe_config,
-           marks={"qk_layernorm": True}),
+           marks={"qk_layernorm": True},
+           moe_layers=_qwen_moe_layers,
+           dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
     Family(architecture="Qwen2MoeForCausalLM", config_class="Qwen2MoeConfig",
            router="mlp.gate.weight",
            expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
@@ -112,7 +125,9 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            shared_expert=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
                           "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"),
            maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
-                                "moe_shared_expert_gate"})),
+                                "moe_shared_expert_gate"}),
+           moe_layers=_qwen_moe_layers,
+           dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
            router="block_sparse_moe.gate.weight",
            expert_projections=("block_sparse_moe.experts.{e}.w1.weight",

@@ -129,6 +129,13 @@ def build(model_config):
     return model.to(model_config.params_dtype)
 
 
+def moe_layers(model) -> list[bool]:
+    """Whether each decoder layer megatron built is a MoE layer (the others are dense MLPs)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return [isinstance(layer.mlp, MoELayer) for layer in model.decoder.layers]
+
+
 def _shards_on(entry, data: torch.Tensor) -> list[tuple]:
     """(ShardedTensor, its tensor) for each shard of one entry of megatron's sharded state dict
     of the model, with `data` in place of the (possibly meta) parameter: a factory's shards

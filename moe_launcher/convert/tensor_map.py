@@ -4,7 +4,7 @@ spec), and the two layouts megatron fuses:
 * `linear_qkv`: per query group g, the group's query heads, then its key head, then its value
   head ([g0: q.. k v][g1: q.. k v]...), rows of head_dim each; HF keeps q, k, v apart.
   The q, k and v biases (Qwen2-MoE) are fused the same way.
-* an expert's (and the shared expert's) `linear_fc1`: the SwiGLU gate rows, then the up rows
+* an expert's (the shared expert's, a dense layer's) `linear_fc1`: the SwiGLU gate rows, then the up rows
   (megatron's swiglu takes silu of the first half times the second); HF keeps gate_proj and
   up_proj apart.
 
@@ -34,6 +34,7 @@ class Rule:
 def rules(family: Family, config) -> list[Rule]:
     """Every parameter of the model, in the order of the HF checkpoint's layers."""
     found = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)]
+    moe_layers = family.moe_layers(config)
     for i in range(config.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         attention = mc + "self_attention."
@@ -49,25 +50,39 @@ def rules(family: Family, config) -> list[Rule]:
         if family.qk_norm:
             found += [Rule(attention + f"{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",),
                            COPY) for p in "qk"]
-        found += [Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
-                       COPY),
-                  Rule(mc + "mlp.router.weight", (hf + family.router,), COPY)]
-        gate, up, down = family.expert_projections
-        for e in range(getattr(config, family.experts_key)):
-            expert = f"{mc}mlp.experts.local_experts.{e}."
-            found += [Rule(expert + "linear_fc1.weight",
-                           (hf + gate.format(e=e), hf + up.format(e=e)), GATE_UP),
-                      Rule(expert + "linear_fc2.weight", (hf + down.format(e=e),), COPY)]
-        if family.shared_expert:
-            gate, up, down, sigmoid_gate = family.shared_expert
-            shared = mc + "mlp.shared_experts."
-            found += [Rule(shared + "linear_fc1.weight", (hf + gate, hf + up), GATE_UP),
-                      Rule(shared + "linear_fc2.weight", (hf + down,), COPY),
-                      Rule(shared + "gate_weight", (hf + sigmoid_gate,), COPY)]
+        found.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
+                          COPY))
+        found += _moe_rules(family, config, hf, mc) if moe_layers[i] else _dense_rules(family,
+                                                                                      hf, mc)
     found.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
     if not config.tie_word_embeddings:
         found.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
     return found
+
+
+def _moe_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:
+    """A MoE layer's router, experts and (where the family has one) shared expert."""
+    found = [Rule(mc + "mlp.router.weight", (hf + family.router,), COPY)]
+    gate, up, down = family.expert_projections
+    for e in range(getattr(config, family.experts_key)):
+        expert = f"{mc}mlp.experts.local_experts.{e}."
+        found += [Rule(expert + "linear_fc1.weight",
+                       (hf + gate.format(e=e), hf + up.format(e=e)), GATE_UP),
+                  Rule(expert + "linear_fc2.weight", (hf + down.format(e=e),), COPY)]
+    if family.shared_expert:
+        gate, up, down, sigmoid_gate = family.shared_expert
+        shared = mc + "mlp.shared_experts."
+        found += [Rule(shared + "linear_fc1.weight", (hf + gate, hf + up), GATE_UP),
+                  Rule(shared + "linear_fc2.weight", (hf + down,), COPY),
+                  Rule(shared + "gate_weight", (hf + sigmoid_gate,), COPY)]
+    return found
+
+
+def _dense_rules(family: Family, hf: str, mc: str) -> list[Rule]:
+    """A dense layer's SwiGLU MLP."""
+    gate, up, down = family.dense_mlp
+    return [Rule(mc + "mlp.linear_fc1.weight", (hf + gate, hf + up), GATE_UP),
+            Rule(mc + "mlp.linear_fc2.weight", (hf + down,), COPY)]
 
 
 def _groups(config) -> tuple[int, int, int]:

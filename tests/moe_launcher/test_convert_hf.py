@@ -26,15 +26,15 @@ REPO = Path(__file__).resolve().parents[2]
 VOCAB, SEQ = 200, 16
 
 
-def _qwen3_moe():
+def _qwen3_moe(num_hidden_layers: int = 2, **keys):
     from transformers import Qwen3MoeConfig
 
     # norm_topk_prob=False: the un-renormalised top-k (megatron's --moe-router-pre-softmax).
     return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                          moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                          max_position_embeddings=64, norm_topk_prob=False,
-                          tie_word_embeddings=False)
+                          moe_intermediate_size=32, num_hidden_layers=num_hidden_layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                          norm_topk_prob=False, tie_word_embeddings=False, **keys)
 
 
 def _mixtral():
@@ -46,16 +46,27 @@ def _mixtral():
                          num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def _qwen2_moe():
+def _qwen2_moe(num_hidden_layers: int = 2, **keys):
     from transformers import Qwen2MoeConfig
 
     # Qwen1.5-MoE's layout: q, k, v biases, a shared expert behind a sigmoid gate, the
     # un-renormalised top-k.
     return Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                           moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                          norm_topk_prob=False, qkv_bias=True)
+                          num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                          num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=64, norm_topk_prob=False, qkv_bias=True, **keys)
+
+
+def _qwen3_moe_dense():
+    # a dense first layer (mlp_only_layers), SwiGLU of intermediate_size: megatron's
+    # --moe-layer-freq [0,1,1] with --ffn-hidden-size
+    return _qwen3_moe(num_hidden_layers=3, mlp_only_layers=[0])
+
+
+def _qwen2_moe_sparse_step():
+    # every second layer MoE, counted from 1 (decoder_sparse_step=2: layers 1 and 3 of 4)
+    return _qwen2_moe(num_hidden_layers=4, decoder_sparse_step=2)
 
 
 def _qwen3_moe_tied():
@@ -70,7 +81,8 @@ def _qwen3_moe_tied_bf16():
     return config
 
 
-FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe}
+FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
+            "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -212,11 +224,18 @@ def test_round_trip_is_bit_identical(converted):
         # None means hidden_size / heads to the modelling code; export writes the number.
         config["head_dim"] = config.get("head_dim") or config["hidden_size"] // config[
             "num_attention_heads"]
+        # Which layers are MoE layers: export names them by mlp_only_layers alone (the
+        # models' layers are compared below).
+        for key in ("mlp_only_layers", "decoder_sparse_step"):
+            config.pop(key, None)
         return config
 
     assert architecture(exported) == architecture(hf_dir)
-    _, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(exported, output_loading_info=True)
     assert not any(info.values()), f"from_pretrained reports {info}"
+    original = AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert [type(layer.mlp) for layer in model.model.layers] == [
+        type(layer.mlp) for layer in original.model.layers]
 
 
 @pytest.mark.parametrize("spec", ["transformer_engine", "local"])
@@ -283,6 +302,25 @@ def test_export_keeps_the_source_models_token_ids_and_generation_config(family_c
     (tmp_path / "refused").mkdir()
     line = refused(capsys, tmp_path / "refused", "export-hf", ckpt, "--config-from", other)
     assert "sets num_hidden_layers=3, but the checkpoint's model has 2" in line, line
+
+
+def test_config_from_compares_the_layers_that_are_moe_layers(family_conversions, tmp_path,
+                                                             capsys):
+    """Export names a model's dense layers by mlp_only_layers; a source config.json that names
+    the same layers by decoder_sparse_step describes the same model (accepted), one with other
+    MoE layers another model (refused)."""
+    _, hf_dir, ckpt, _ = family_conversions("qwen2_moe_sparse_step")
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    assert flags[flags.index("--moe-layer-freq") + 1] == "[0,1,0,1]"
+    convert("export-hf", ckpt, tmp_path / "out", "--config-from", hf_dir)
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["mlp_only_layers"], exported["decoder_sparse_step"]) == ([0, 2], 1)
+    other = shutil.copytree(hf_dir, tmp_path / "other")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "decoder_sparse_step": 1}))
+    (tmp_path / "refused").mkdir()
+    line = refused(capsys, tmp_path / "refused", "export-hf", ckpt, "--config-from", other)
+    assert "makes other layers MoE layers than the checkpoint's model" in line, line
 
 
 def _corpus(prefix: str, documents: list[torch.Tensor]) -> None:
@@ -912,10 +950,8 @@ def test_tied_embeddings_train_as_transformers_does_across_pipeline_stages(famil
 
 @pytest.mark.parametrize("remove, add, named", [
     ((), ("--moe-shared-expert-intermediate-size", "32"), "moe_shared_expert_intermediate_size"),
-    ((), ("--moe-layer-freq", "[0,1]"), "moe_layer_freq"),
     (("--swiglu",), (), "swiglu"),
     (("--qk-layernorm",), (), "no Hugging Face family"),  # pre-softmax without qk norm
-    ((), ("--moe-layer-freq", "2"), "moe_layer_freq=2"),  # an integer: was a TypeError
     # flags that change the forward, which no family's HF model computes
     ((), ("--apply-residual-connection-post-layernorm",), "apply_residual_connection_post"),
     ((), ("--softmax-type", "learnable"), "softmax_type='learnable'"),
@@ -942,9 +978,19 @@ def test_export_refuses_qwen2_moe_variants_no_family_maps(remove, add, named, fa
     _assert_export_refuses("qwen2_moe", remove, add, named, family_conversions, monkeypatch)
 
 
+@pytest.mark.parametrize("freq", ["[0,1]", "2"])  # (an integer was once a TypeError)
+def test_export_refuses_dense_layers_where_the_family_has_none(freq, family_conversions,
+                                                               monkeypatch):
+    """Mixtral's every layer is a MoE layer (Qwen's dense layers: the *_dense variants)."""
+    _assert_export_refuses("mixtral", (), ("--moe-layer-freq", freq), f"moe_layer_freq=.* builds "
+                           "dense layers, which MixtralForCausalLM does not have",
+                           family_conversions, monkeypatch)
+
+
 def _assert_export_refuses(source: str, remove, add, named, family_conversions, monkeypatch):
     """Args as megatron's parser and validation make them for `source`'s imported flags
-    without `remove`, with `add`: export refuses them, naming `named`."""
+    without `remove`, with `add`, and the model megatron builds from them: export refuses
+    them, naming `named`."""
     from moe_launcher.convert import megatron_side
     from moe_launcher.convert.architecture import hf_config_kwargs
     from moe_launcher.convert.errors import ConvertError
@@ -953,9 +999,11 @@ def _assert_export_refuses(source: str, remove, add, named, family_conversions, 
     _, _, ckpt, _ = family_conversions(source)
     flags = [flag for flag in (ckpt / "model_flags.txt").read_text().split() if flag not in remove]
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
-    args, _ = megatron_side.args_of_flags([*flags, *add], SEQ)
+    args, model_config = megatron_side.args_of_flags([*flags, *add], SEQ)
+    with torch.device("meta"):
+        moe_layers = megatron_side.moe_layers(megatron_side.build(model_config))
     with pytest.raises(ConvertError, match=named):
-        hf_config_kwargs(family_of_args(args), args, "float32")
+        hf_config_kwargs(family_of_args(args), args, "float32", moe_layers)
 
 
 def test_parameters_no_rule_maps_are_named():
@@ -1015,7 +1063,7 @@ def _with_config(source: Path, target: Path, **changes) -> Path:
      "rope_type"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"mlp_only_layers": [0, 1]}, "makes none of its 2 layers a MoE layer"),
 ])
 def test_import_refuses_what_megatron_would_build_otherwise(changes, named, qwen_dir, tmp_path,
                                                             capsys):
