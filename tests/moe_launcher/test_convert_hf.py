@@ -1291,6 +1291,39 @@ def test_megatron_fsdp_trains_from_an_import_and_its_checkpoint_leaves_fsdp_dten
     assert "is damaged" in refused(capsys, tmp_path, "export-hf", damaged)
 
 
+def test_qwen2_moe_trains_and_resumes_under_megatron_fsdp(family_conversions, tmp_path):
+    """A Qwen2-MoE import through `to-fsdp-dtensor` under Megatron-FSDP (fp32, EP2 x ETP1, 4
+    ranks, two micro-batches each): the parameters Qwen3-MoE lacks are sharded over the four
+    data-parallel ranks too (the shared expert's gate, [1, hidden], and each layer's fused q, k,
+    v bias held whole by one rank, the other three shards empty: one chunk each in the saved
+    checkpoint's metadata, read by hand). Four steps with the
+    load-balancing loss give transformers' losses and gradient norms (1e-5); the fsdp_dtensor
+    checkpoint saved at step 3 resumes into step 4 with the same loss and norm."""
+    _, hf_dir, ckpt, _ = family_conversions("qwen2_moe")
+    corpus = str(tmp_path / "corpus_text_document")
+    _random_corpus(corpus, seed=8)
+    steps, lr, coeff = 4, 1e-3, 0.1
+    reference = _transformers_steps(hf_dir, _megatron_batches(corpus, steps, 8), lr,
+                                    aux_loss_coeff=coeff)
+    convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp_import", "--transformer-impl", "local")
+    flags = [*(ckpt / "model_flags.txt").read_text().split(),
+             *[flag for flag in MEGATRON_FSDP if flag != "--bf16"], "--global-batch-size", "8"]
+    layout = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+              "--moe-aux-loss-coeff", repr(coeff), "--train-iters", str(steps), "--lr", repr(lr),
+              *OPTIMIZER_FLAGS]
+    _launched_losses(4, flags, tmp_path / "trained", corpus, *layout,
+                     "--load", str(tmp_path / "fsdp_import"),
+                     "--save", str(tmp_path / "saved"), "--save-interval", "3")
+    # (megatron saves again at the end, iteration 4: --ckpt-step picks step 3's)
+    _launched_losses(4, flags, tmp_path / "resumed", corpus, *layout,
+                     "--load", str(tmp_path / "saved"), "--ckpt-step", "3")
+    trained, resumed = _logged(tmp_path / "trained"), _logged(tmp_path / "resumed")
+    assert not _differences(trained, reference), _differences(trained, reference)
+    assert sorted(resumed["lm loss"]) == [4]
+    assert not _differences(resumed, {tag: {4: reference[tag][4]} for tag in reference}), (
+        resumed, reference)
+
+
 def test_megatron_fsdp_refuses_an_fsdp_dtensor_load_at_another_pipeline_layout(
         family_conversions, tmp_path):
     """Megatron-LM #7452 finding 12: megatron-core 0.19.2's fsdp_dtensor checkpoints name layers
