@@ -23,25 +23,37 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_flags(config) -> list[str]:
+def _rope_flags(family: Family, config) -> list[str]:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     kind = rope.get("rope_type", "default")
     refuse_if(kind != "default", "rope_parameters.rope_type (rope_scaling)", kind,
               "megatron's rope here is plain rope (--use-rope-scaling is llama3's only)")
     fraction = rope.get("partial_rotary_factor", 1.0)
-    refuse_if(fraction != 1.0, "partial_rotary_factor", fraction,
-              "partial rotary embeddings are not mapped yet")
+    # (GLM-4.5 rotates the first half of each head, as megatron's --rotary-percent does)
+    refuse_if(fraction != 1.0 and "rotary_percent" not in family.maps_args,
+              "partial_rotary_factor", fraction,
+              f"{family.architecture} rotates every dimension of a head")
     theta = rope.get("rope_theta", 10000.0)
     # megatron's --rotary-base is an integer.
     refuse_if(theta != int(theta), "rope_theta", theta, "megatron's --rotary-base is an integer")
-    return ["--position-embedding-type", "rope", "--rotary-base", str(int(theta))]
+    partial = ["--rotary-percent", repr(float(fraction))] if fraction != 1.0 else []
+    return ["--position-embedding-type", "rope", "--rotary-base", str(int(theta)), *partial]
+
+
+def _load_balancing_flags(family: Family, config) -> list[str]:
+    if family.aux_loss_key is None:  # (GLM-4.5 balances by its expert bias alone)
+        return ["--moe-router-load-balancing-type", "none"]
+    return ["--moe-router-load-balancing-type", "aux_loss",
+            "--moe-aux-loss-coeff", repr(getattr(config, family.aux_loss_key))]
 
 
 def megatron_flags(family: Family, config) -> list[str]:
     """The flags that make pretrain_moe.py build this config's architecture."""
     refuse_if(config.hidden_act != "silu", "hidden_act", config.hidden_act,
               "the launcher's experts are SwiGLU (--swiglu)")
-    refuse_if(bool(getattr(config, "attention_bias", False)), "attention_bias", True,
+    # (GLM-4.5's attention_bias is q, k and v's alone)
+    refuse_if(bool(getattr(config, "attention_bias", False))
+              and family.qkv_bias_key != "attention_bias", "attention_bias", True,
               "megatron's --add-qkv-bias has no bias on the output projection")
     dtype = _dtype_name(config)
     if dtype not in DTYPE_FLAGS:
@@ -54,7 +66,7 @@ def megatron_flags(family: Family, config) -> list[str]:
     if groups != heads:
         flags += ["--group-query-attention", "--num-query-groups", str(groups)]
     flags += ["--max-position-embeddings", str(config.max_position_embeddings),
-              *_rope_flags(config),
+              *_rope_flags(family, config),
               "--normalization", "RMSNorm", "--norm-epsilon", repr(config.rms_norm_eps),
               "--swiglu", "--disable-bias-linear",
               "--attention-dropout", repr(float(config.attention_dropout)), "--hidden-dropout", "0.0",
@@ -64,12 +76,10 @@ def megatron_flags(family: Family, config) -> list[str]:
               "--num-experts", str(getattr(config, family.experts_key)),
               "--moe-router-topk", str(config.num_experts_per_tok),
               "--moe-ffn-hidden-size", str(getattr(config, family.expert_width_key)),
-              "--moe-router-load-balancing-type", "aux_loss",
-              "--moe-aux-loss-coeff", repr(config.router_aux_loss_coef),
-              *DTYPE_FLAGS[dtype]]
+              *_load_balancing_flags(family, config), *DTYPE_FLAGS[dtype]]
     if not config.tie_word_embeddings:
         flags.append("--untie-embeddings-and-output-weights")
-    if family.qk_norm:
+    if family.qk_norm(config):
         flags.append("--qk-layernorm")
     moe_layers = family.moe_layers(config)
     if not any(moe_layers):
@@ -143,18 +153,23 @@ def hf_config_kwargs(family: Family, args, dtype: str, moe_layers: list[bool]) -
     and the MoE layers of the model megatron built from them."""
     check_exportable(family, args, moe_layers)
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if "rotary_percent" in family.maps_args:
+        rope["partial_rotary_factor"] = args.rotary_percent
+    aux_loss = {family.aux_loss_key: _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff")
+                } if family.aux_loss_key else {}
     return {
         "architectures": [family.architecture], "dtype": dtype,
         "vocab_size": vocab_size(args), "hidden_size": args.hidden_size,
         "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
         "num_key_value_heads": groups, "head_dim": args.kv_channels,
         "max_position_embeddings": args.max_position_embeddings,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(args.rotary_base)},
+        "rope_parameters": rope,
         "rms_norm_eps": args.layernorm_epsilon, "hidden_act": "silu",
         "attention_dropout": args.attention_dropout,
         "initializer_range": args.init_method_std,
         "tie_word_embeddings": not args.untie_embeddings_and_output_weights,
         "num_experts_per_tok": args.moe_router_topk,
-        "router_aux_loss_coef": _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff"),
+        **aux_loss,
         **family.config_keys(args, [i for i, moe in enumerate(moe_layers) if not moe]),
     }

@@ -21,7 +21,8 @@ class Family:
     # HF names under `model.layers.{i}.`: the router, and expert {e}'s gate, up, down projections.
     router: str
     expert_projections: tuple[str, str, str]
-    qk_norm: bool  # per-head RMSNorm of q and k before rope (megatron --qk-layernorm)
+    # whether a config has a per-head RMSNorm of q and k before rope (megatron --qk-layernorm)
+    qk_norm: Callable[[object], bool]
     expert_width_key: str  # the config key of one expert's FFN width
     experts_key: str  # the config key of the number of experts
     # The family's own config keys to megatron flags (refusing what megatron cannot build).
@@ -33,9 +34,15 @@ class Family:
     marks: dict = dataclasses.field(default_factory=dict)
     # The config key that gives q, k and v projections a bias (megatron --add-qkv-bias), if any.
     qkv_bias_key: str | None = None
-    # HF names under `model.layers.{i}.` of the shared expert's gate, up and down projections and
-    # of its sigmoid gate (megatron --moe-shared-expert-intermediate-size, --moe-shared-expert-gate).
-    shared_expert: tuple[str, str, str, str] | None = None
+    # HF names under `model.layers.{i}.` of the shared expert's gate, up and down projections
+    # (megatron --moe-shared-expert-intermediate-size), of its sigmoid gate if it has one
+    # (--moe-shared-expert-gate), and of the router's score-correction bias, added to the scores
+    # only to choose the experts (megatron's expert bias, --moe-router-enable-expert-bias).
+    shared_expert: tuple[str, str, str] | None = None
+    shared_expert_gate: str | None = None
+    expert_bias: str | None = None
+    # The config key of the load-balancing loss's coefficient (None: the family has none).
+    aux_loss_key: str | None = "router_aux_loss_coef"
     # Saved megatron args the family maps itself (export does not require their defaults).
     maps_args: frozenset = frozenset()
     # Which layers of a config are MoE layers (the others dense MLPs), as the family's
@@ -43,6 +50,10 @@ class Family:
     # gate, up and down projections (None: every layer of the family is a MoE layer).
     moe_layers: Callable[[object], list[bool]] = lambda config: [True] * config.num_hidden_layers
     dense_mlp: tuple[str, str, str] | None = None
+    # HF layer indices past the decoder whose tensors a checkpoint may hold and the family's
+    # transformers model ignores (not imported, said in a line), and what they are.
+    ignored_layers: Callable[[object], range] = lambda config: range(0)
+    ignored_layers_are: str = ""
 
 
 def refuse_if(condition: bool, key: str, value, why: str) -> None:
@@ -90,6 +101,58 @@ def _qwen2_moe_config(args, dense_layers: list[int]) -> dict:
             "shared_expert_intermediate_size": args.moe_shared_expert_intermediate_size}
 
 
+def _leading_dense_layers(config) -> list[bool]:
+    """GLM-4.5's rule (its decoder layers'): the first first_k_dense_replace layers are dense."""
+    return [i >= config.first_k_dense_replace for i in range(config.num_hidden_layers)]
+
+
+def _glm4_moe_flags(config) -> list[str]:
+    top_k = config.num_experts_per_tok
+    # megatron's sigmoid router renormalises the chosen scores exactly when it chooses several
+    refuse_if(config.norm_topk_prob != (top_k > 1), "norm_topk_prob", config.norm_topk_prob,
+              f"megatron's sigmoid router renormalises the top-{top_k} scores "
+              f"{'only with several experts a token' if top_k == 1 else 'always'}")
+    refuse_if(config.n_shared_experts < 1, "n_shared_experts", config.n_shared_experts,
+              "the family's MoE layers have a shared expert")
+    flags = ["--ffn-hidden-size", str(config.intermediate_size),
+             "--moe-shared-expert-intermediate-size",
+             str(config.moe_intermediate_size * config.n_shared_experts),
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             # transformers' router computes its logits in fp32 whatever the model's dtype
+             "--moe-router-dtype", "fp32"]
+    if config.routed_scaling_factor != 1.0:
+        flags += ["--moe-router-topk-scaling-factor", repr(float(config.routed_scaling_factor))]
+    if config.n_group > 1:
+        # megatron ranks a group by the sum of its top (top-k / groups chosen) scores, GLM's and
+        # DeepSeek-V3's by the sum of its top two
+        refuse_if(top_k // config.topk_group != 2, "topk_group", config.topk_group,
+                  f"megatron ranks groups by their top {top_k // config.topk_group} scores "
+                  "(num_experts_per_tok // topk_group), transformers' model by their top 2")
+        flags += ["--moe-router-num-groups", str(config.n_group),
+                  "--moe-router-group-topk", str(config.topk_group)]
+    return flags + (["--add-qkv-bias"] if config.attention_bias else [])
+
+
+def _glm4_moe_config(args, dense_layers: list[int]) -> dict:
+    if dense_layers != list(range(len(dense_layers))):
+        raise ConvertError(f"the checkpoint's dense layers {dense_layers} are not its first "
+                           "layers: Glm4MoeForCausalLM's dense layers are (first_k_dense_replace)")
+    shared, width = args.moe_shared_expert_intermediate_size, args.moe_ffn_hidden_size
+    if shared % width:
+        raise ConvertError(f"the checkpoint's moe_shared_expert_intermediate_size={shared} is no "
+                           f"multiple of moe_ffn_hidden_size={width} (GLM's n_shared_experts)")
+    return {"n_routed_experts": args.num_experts, "moe_intermediate_size": width,
+            "intermediate_size": args.ffn_hidden_size, "n_shared_experts": shared // width,
+            "norm_topk_prob": args.moe_router_topk > 1,
+            "routed_scaling_factor": args.moe_router_topk_scaling_factor or 1.0,
+            "n_group": args.moe_router_num_groups or 1,
+            "topk_group": args.moe_router_group_topk or 1,
+            "first_k_dense_replace": len(dense_layers), "use_qk_norm": bool(args.qk_layernorm),
+            "attention_bias": bool(args.add_qkv_bias),
+            # the converter maps no multi-token-prediction layer (transformers' model has none)
+            "num_nextn_predict_layers": 0}
+
+
 def _mixtral_flags(config) -> list[str]:
     refuse_if(config.sliding_window is not None, "sliding_window", config.sliding_window,
               "the launcher's attention is full causal attention (megatron's --window-size is "
@@ -109,34 +172,60 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            router="mlp.gate.weight",
            expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                                "mlp.experts.{e}.down_proj.weight"),
-           qk_norm=True, expert_width_key="moe_intermediate_size", experts_key="num_experts",
-           flags=_qwen_moe_flags, config_keys=_qwen_moe_config,
-           marks={"qk_layernorm": True},
+           qk_norm=lambda config: True, expert_width_key="moe_intermediate_size",
+           experts_key="num_experts", flags=_qwen_moe_flags, config_keys=_qwen_moe_config,
+           marks={"qk_layernorm": True, "moe_router_score_function": "softmax"},
            moe_layers=_qwen_moe_layers,
            dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
     Family(architecture="Qwen2MoeForCausalLM", config_class="Qwen2MoeConfig",
            router="mlp.gate.weight",
            expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                                "mlp.experts.{e}.down_proj.weight"),
-           qk_norm=False, expert_width_key="moe_intermediate_size", experts_key="num_experts",
-           flags=_qwen2_moe_flags, config_keys=_qwen2_moe_config,
+           qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
+           experts_key="num_experts", flags=_qwen2_moe_flags, config_keys=_qwen2_moe_config,
            marks={"qk_layernorm": False, "moe_shared_expert_gate": True},
            qkv_bias_key="qkv_bias",
            shared_expert=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
-                          "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"),
+                          "mlp.shared_expert.down_proj.weight"),
+           shared_expert_gate="mlp.shared_expert_gate.weight",
            maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
                                 "moe_shared_expert_gate"}),
            moe_layers=_qwen_moe_layers,
            dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
+    Family(architecture="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
+           router="mlp.gate.weight",
+           expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                               "mlp.experts.{e}.down_proj.weight"),
+           qk_norm=lambda config: config.use_qk_norm, expert_width_key="moe_intermediate_size",
+           experts_key="n_routed_experts", flags=_glm4_moe_flags, config_keys=_glm4_moe_config,
+           marks={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                  "moe_shared_expert_gate": False},
+           qkv_bias_key="attention_bias",
+           shared_expert=("mlp.shared_experts.gate_proj.weight",
+                          "mlp.shared_experts.up_proj.weight",
+                          "mlp.shared_experts.down_proj.weight"),
+           expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
+           maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
+                                "moe_router_score_function", "moe_router_enable_expert_bias",
+                                "moe_router_topk_scaling_factor", "moe_router_num_groups",
+                                "rotary_percent"}),
+           moe_layers=_leading_dense_layers,
+           dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"),
+           # GLM-4.5's multi-token-prediction layers follow the decoder's in its checkpoints
+           ignored_layers=lambda config: range(config.num_hidden_layers, config.num_hidden_layers
+                                               + config.num_nextn_predict_layers),
+           ignored_layers_are="multi-token-prediction layers, which transformers' "
+                              "Glm4MoeForCausalLM ignores too"),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
            router="block_sparse_moe.gate.weight",
            expert_projections=("block_sparse_moe.experts.{e}.w1.weight",
                                "block_sparse_moe.experts.{e}.w3.weight",
                                "block_sparse_moe.experts.{e}.w2.weight"),
-           qk_norm=False, expert_width_key="intermediate_size", experts_key="num_local_experts",
+           qk_norm=lambda config: False, expert_width_key="intermediate_size",
+           experts_key="num_local_experts",
            flags=_mixtral_flags, config_keys=_mixtral_config,
            marks={"qk_layernorm": False, "moe_router_pre_softmax": False,
-                  "moe_shared_expert_gate": False}),
+                  "moe_shared_expert_gate": False, "moe_router_score_function": "softmax"}),
 )}
 
 REFUSED: dict[str, str] = {

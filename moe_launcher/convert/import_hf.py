@@ -80,7 +80,10 @@ class _Weights:
             target = params[rule.megatron]
             for name, shape in zip(rule.hf, hf_shapes(rule, tuple(target.shape), config)):
                 _check_header(name, tensors.header(name), shape, target.dtype)
-        tensors.check_all_placed({name for rule in self.rules.values() for name in rule.hf})
+        prefixes = tuple(f"model.layers.{i}." for i in family.ignored_layers(config))
+        self.ignored = sorted(name for name in tensors.weight_map if name.startswith(prefixes))
+        tensors.check_all_placed({name for rule in self.rules.values() for name in rule.hf}
+                                 | set(self.ignored))
         if unfilled := unmapped(params, family, config):
             raise ConvertError(f"the mapping leaves megatron parameters unset: "
                                f"{', '.join(unfilled[:3])}")
@@ -107,6 +110,11 @@ def import_hf(hf_dir: str, out_dir: str) -> None:
     with torch.device("meta"):  # names and shapes: each weight is read as it is written
         model = megatron_side.build(model_config)
     weights = _Weights(model, family, config, tensors)
+    if weights.ignored:
+        layers = sorted({int(name.split(".")[2]) for name in weights.ignored})
+        print(f"convert: import-hf: {len(weights.ignored)} tensors of layers "
+              f"{', '.join(map(str, layers))} are not imported: {family.ignored_layers_are}",
+              flush=True)
     with staged_folder(out_dir) as staging:
         megatron_side.save_release(model, weights.read, args, staging)
         with open(os.path.join(staging, FLAGS_FILE), "w") as f:

@@ -174,6 +174,9 @@ class _ShardSource:
                 self.where[shard.key, tuple(shard.global_offset)] = (name, k)
         self.held: tuple[str | None, list[torch.Tensor]] = (None, [])
 
+    def makes(self, key: str, offset) -> bool:
+        return (key, tuple(offset)) in self.where
+
     def tensor(self, key: str, offset) -> torch.Tensor:
         name, k = self.where[key, tuple(offset)]
         if self.held[0] != name:
@@ -198,8 +201,11 @@ def _streaming_strategy(source: _ShardSource):
     class Planner(MCoreSavePlanner):
         def resolve_data(self, write_item):
             data = super().resolve_data(write_item)
-            if isinstance(data, torch.Tensor) and data.is_meta:
-                made = source.tensor(write_item.index.fqn, write_item.index.offset)
+            # Every model tensor from `source`: also those megatron makes on a device of its
+            # choosing whatever the default (the router's expert bias: zeros, not meta).
+            fqn, offset = write_item.index.fqn, write_item.index.offset
+            if isinstance(data, torch.Tensor) and source.makes(fqn, offset):
+                made = source.tensor(fqn, offset)
                 data = made.reshape(write_item.tensor_data.chunk.sizes)
             return data
 

@@ -47,7 +47,7 @@ def rules(family: Family, config) -> list[Rule]:
         if family.qkv_bias_key and getattr(config, family.qkv_bias_key):
             found.append(Rule(attention + "linear_qkv.bias",
                               tuple(f"{hf}self_attn.{p}_proj.bias" for p in "qkv"), QKV))
-        if family.qk_norm:
+        if family.qk_norm(config):
             found += [Rule(attention + f"{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",),
                            COPY) for p in "qk"]
         found.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
@@ -61,8 +61,11 @@ def rules(family: Family, config) -> list[Rule]:
 
 
 def _moe_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:
-    """A MoE layer's router, experts and (where the family has one) shared expert."""
+    """A MoE layer's router (and its expert bias), experts and shared expert, where the family
+    has them."""
     found = [Rule(mc + "mlp.router.weight", (hf + family.router,), COPY)]
+    if family.expert_bias:
+        found.append(Rule(mc + "mlp.router.expert_bias", (hf + family.expert_bias,), COPY))
     gate, up, down = family.expert_projections
     for e in range(getattr(config, family.experts_key)):
         expert = f"{mc}mlp.experts.local_experts.{e}."
@@ -70,11 +73,12 @@ def _moe_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:
                        (hf + gate.format(e=e), hf + up.format(e=e)), GATE_UP),
                   Rule(expert + "linear_fc2.weight", (hf + down.format(e=e),), COPY)]
     if family.shared_expert:
-        gate, up, down, sigmoid_gate = family.shared_expert
+        gate, up, down = family.shared_expert
         shared = mc + "mlp.shared_experts."
         found += [Rule(shared + "linear_fc1.weight", (hf + gate, hf + up), GATE_UP),
-                  Rule(shared + "linear_fc2.weight", (hf + down,), COPY),
-                  Rule(shared + "gate_weight", (hf + sigmoid_gate,), COPY)]
+                  Rule(shared + "linear_fc2.weight", (hf + down,), COPY)]
+        if family.shared_expert_gate:
+            found.append(Rule(shared + "gate_weight", (hf + family.shared_expert_gate,), COPY))
     return found
 
 

@@ -69,6 +69,22 @@ def _qwen2_moe_sparse_step():
     return _qwen2_moe(num_hidden_layers=4, decoder_sparse_step=2)
 
 
+def _glm4_moe(**keys):
+    from transformers import Glm4MoeConfig
+
+    # GLM-4.5's layout: a dense first layer, a sigmoid router choosing by score + correction
+    # bias (megatron's expert bias), renormalised and scaled, a shared expert without a gate,
+    # q, k, v biases, per-head q/k norms, rope on half of each head; 8 experts in 4 groups, 2
+    # groups chosen, top-4 (each group ranked by its top 4 // 2 = 2 scores, as transformers'
+    # model ranks them).
+    return Glm4MoeConfig(**{**dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True,
+        attention_bias=True, max_position_embeddings=64, num_nextn_predict_layers=0), **keys})
+
+
 def _qwen3_moe_tied():
     config = _qwen3_moe()
     config.tie_word_embeddings = True
@@ -82,7 +98,8 @@ def _qwen3_moe_tied_bf16():
 
 
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
-            "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step}
+            "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step,
+            "glm4_moe": _glm4_moe}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -92,7 +109,8 @@ VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
 def _randomise(model) -> None:
     """Weights large enough that every layer changes the logits: transformers' init (std 0.02)
     leaves them near zero, where a wrong layout could still compare equal. Norm weights stay
-    near one, router weights are spread so that top-k choices are clear."""
+    near one, router weights are spread so that top-k choices are clear; a router's
+    score-correction bias (a buffer, zeros in transformers' init) moves some choices."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -101,6 +119,9 @@ def _randomise(model) -> None:
                 param.copy_(1 + 0.2 * noise)
             else:
                 param.copy_(noise * (0.5 if "gate.weight" in name else 0.15))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
 
 
 def convert(*argv: str) -> subprocess.CompletedProcess:
@@ -239,11 +260,13 @@ def test_round_trip_is_bit_identical(converted):
 
 
 @pytest.mark.parametrize("spec", ["transformer_engine", "local"])
-def test_qwen2_moe_round_trips_through_fsdp_dtensor(spec, family_conversions, tmp_path):
-    """The shared expert's fused fc1 (saved as its SwiGLU halves) and gate, and the fused q, k,
-    v biases, through Megatron-FSDP's format under either spec's names and back: HF ->
-    torch_dist -> fsdp_dtensor -> torch_dist -> HF gives every tensor bit-identical."""
-    _, hf_dir, ckpt, _ = family_conversions("qwen2_moe")
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_round_trips_through_fsdp_dtensor(family, spec, family_conversions, tmp_path):
+    """The shared expert's fused fc1 (saved as its SwiGLU halves) and gate, the fused q, k, v
+    biases, a dense layer, the router's expert bias, through Megatron-FSDP's format under either
+    spec's names and back: HF -> torch_dist -> fsdp_dtensor -> torch_dist -> HF gives every
+    tensor bit-identical."""
+    _, hf_dir, ckpt, _ = family_conversions(family)
     convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp", "--transformer-impl", spec)
     convert("to-torch-dist", tmp_path / "fsdp", tmp_path / "torch_dist")
     convert("export-hf", tmp_path / "torch_dist", tmp_path / "hf")
@@ -262,6 +285,30 @@ def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
                for name in before)
 
 
+def test_bf16_glm_keeps_its_fp32_expert_bias_bit_identical(tmp_path):
+    """A bf16 GLM-4.5 checkpoint keeps its routers' score-correction biases in fp32
+    (transformers' _keep_in_fp32_modules_strict), as megatron keeps its expert bias: import and
+    export carry them, and every bf16 tensor, bit-identical."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_glm4_moe())
+    _randomise(model)
+    model.to(torch.bfloat16)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.data = buffer.data.float()
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(tmp_path / "hf")
+    convert("import-hf", tmp_path / "hf", tmp_path / "ckpt")
+    assert "--bf16" in (tmp_path / "ckpt" / "model_flags.txt").read_text().split()
+    convert("export-hf", tmp_path / "ckpt", tmp_path / "exported")
+    before, after = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "exported")
+    assert sorted(before) == sorted(after)
+    assert {before[name].dtype for name in before if "e_score" in name} == {torch.float32}
+    assert all(after[name].dtype == before[name].dtype and torch.equal(after[name], before[name])
+               for name in before)
+
+
 def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     from transformers import AutoTokenizer
 
@@ -272,7 +319,7 @@ def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     # the family, judged from the checkpoint's args, is said
     assert "convert: export-hf: MixtralForCausalLM, the Hugging Face model whose forward the " \
            "checkpoint's args compute (qk_layernorm=False, moe_router_pre_softmax=False, " \
-           "moe_shared_expert_gate=False)" \
+           "moe_shared_expert_gate=False, moe_router_score_function=softmax)" \
            in run.stdout, run.stdout
     # without --config-from, a line says which token ids are the class's defaults
     assert "are MixtralConfig's defaults; --config-from the source model's folder" in run.stdout
@@ -862,6 +909,29 @@ def test_shared_expert_and_qkv_biases_train_as_transformers_does(family_conversi
     print(f"Qwen2-MoE at TP2 x SP x EP2: {launched}; transformers' {reference}")
 
 
+def test_sigmoid_router_with_expert_bias_trains_as_transformers_does(family_conversions,
+                                                                     tmp_path):
+    """A GLM-4.5-like import (a dense first layer; a sigmoid router choosing by score + expert
+    bias among 2 of 4 groups, renormalised and scaled by 2.5; a gateless shared expert; q, k, v
+    biases; per-head q/k norms; rope on half of each head) at TP2 x SP x EP2 x ETP1 (2 ranks,
+    two micro-batches of distinct samples): three steps log transformers'
+    Glm4MoeForCausalLM's losses and gradient norms (1e-5). The expert bias is held still
+    (`--moe-router-bias-update-rate 0`): transformers' model never moves it, megatron's moves
+    it after every step by the tokens each expert got."""
+    _, hf_dir, ckpt, _ = family_conversions("glm4_moe")
+    corpus = str(tmp_path / "corpus_text_document")
+    _random_corpus(corpus, seed=9)
+    steps, lr = 3, 1e-3
+    launched = _launched_steps(ckpt, corpus, tmp_path / "run",
+                               [*TP2_SP_EP2, "--micro-batch-size", "1",
+                                "--moe-router-bias-update-rate", "0"],
+                               iterations=steps, lr=lr)
+    batches = _megatron_batches(corpus, steps, 2)
+    reference = _transformers_steps(hf_dir, batches, lr)
+    assert not _differences(launched, reference), _differences(launched, reference)
+    assert _moved_by_training(launched, hf_dir, batches)
+
+
 def test_eod_mask_loss_trains_as_transformers_does(family_conversions, tmp_path):
     """--eod-mask-loss: megatron's GPTDataset keeps no loss where the input token is the
     end-of-document id (the next document's first token is not predicted). On documents of 4 to
@@ -987,6 +1057,18 @@ def test_export_refuses_dense_layers_where_the_family_has_none(freq, family_conv
                            family_conversions, monkeypatch)
 
 
+@pytest.mark.parametrize("remove, add, named", [
+    # GLM's dense layers are its first ones (first_k_dense_replace)
+    (("--moe-layer-freq", "[0,1,1]"), ("--moe-layer-freq", "[1,0,1]"), "not its first layers"),
+    # a sigmoid router without the expert bias GLM's router always adds
+    (("--moe-router-enable-expert-bias",), (), "no Hugging Face family"),
+    ((), ("--moe-shared-expert-intermediate-size", "24"), "no multiple of moe_ffn_hidden_size"),
+])
+def test_export_refuses_glm_variants_no_family_maps(remove, add, named, family_conversions,
+                                                    monkeypatch):
+    _assert_export_refuses("glm4_moe", remove, add, named, family_conversions, monkeypatch)
+
+
 def _assert_export_refuses(source: str, remove, add, named, family_conversions, monkeypatch):
     """Args as megatron's parser and validation make them for `source`'s imported flags
     without `remove`, with `add`, and the model megatron builds from them: export refuses
@@ -1097,11 +1179,53 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary(qwen_dir, tmp_pat
             f"is {VOCAB}") in line, line
 
 
+@pytest.mark.parametrize("changes, named", [
+    # megatron's sigmoid router renormalises the chosen scores exactly when it chooses several
+    ({"norm_topk_prob": False}, "norm_topk_prob=False"),
+    # megatron ranks a group by its top (top-k / groups chosen) scores, transformers by its top 2
+    ({"topk_group": 1}, "topk_group=1"),
+    ({"n_shared_experts": 0}, "n_shared_experts=0"),
+])
+def test_import_refuses_glm_routers_megatron_computes_otherwise(changes, named,
+                                                               family_conversions, tmp_path,
+                                                               capsys):
+    _, hf_dir, _, _ = family_conversions("glm4_moe")
+    folder = _with_config(hf_dir, tmp_path / "hf", **changes)
+    (tmp_path / "refused").mkdir()
+    assert named in refused(capsys, tmp_path / "refused", "import-hf", folder)
+
+
 def test_import_refuses_mixtral_sliding_window(tmp_path, capsys):
     _mixtral().save_pretrained(tmp_path / "cfg")
     folder = _with_config(tmp_path / "cfg", tmp_path / "hf", architectures=["MixtralForCausalLM"],
                           sliding_window=4096)
     assert "sliding_window=4096" in refused(capsys, tmp_path, "import-hf", folder)
+
+
+def test_glm_multi_token_prediction_layers_are_left_out_and_said(family_conversions, tmp_path,
+                                                                 capsys):
+    """GLM-4.5's checkpoints hold its multi-token-prediction layers after the decoder's
+    (num_nextn_predict_layers; layer 46 of GLM-4.5-Air), which transformers' model does not
+    build and ignores when it loads. import-hf leaves them out and says so in a line: the
+    checkpoint gives the logits of the folder without them. Where config.json counts no such
+    layer, tensors of that layer have no place and are refused."""
+    from safetensors.torch import load_file, save_file
+
+    _, hf_dir, ckpt, _ = family_conversions("glm4_moe")
+    folder = _with_config(hf_dir, tmp_path / "with_mtp", num_nextn_predict_layers=1)
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors.update({"model.layers.3.eh_proj.weight": torch.ones(64, 128),
+                    "model.layers.3.enorm.weight": torch.ones(64)})
+    save_file(tensors, shard, metadata={"format": "pt"})
+    run = convert("import-hf", folder, tmp_path / "ckpt")
+    assert "convert: import-hf: 2 tensors of layers 3 are not imported: multi-token-prediction " \
+           "layers, which transformers' Glm4MoeForCausalLM ignores too" in run.stdout, run.stdout
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_megatron_logits(tmp_path / "ckpt", tokens), _megatron_logits(ckpt, tokens))
+    unexpected = _with_config(folder, tmp_path / "unexpected", num_nextn_predict_layers=0)
+    line = refused(capsys, tmp_path, "import-hf", unexpected)
+    assert "2 tensors have no place in the megatron model, e.g. model.layers.3.eh_proj" in line
 
 
 def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys):
