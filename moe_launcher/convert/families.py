@@ -167,20 +167,20 @@ def _mixtral_config(args, dense_layers: list[int]) -> dict:
     return {"intermediate_size": args.moe_ffn_hidden_size, "num_local_experts": args.num_experts}
 
 
+# The Qwen-MoE and GLM-4.5 names of expert {e}'s projections and of a dense layer's.
+_GATE_UP_DOWN_EXPERTS = tuple(f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down"))
+_GATE_UP_DOWN_MLP = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     Family(architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",
-           router="mlp.gate.weight",
-           expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                               "mlp.experts.{e}.down_proj.weight"),
+           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
            qk_norm=lambda config: True, expert_width_key="moe_intermediate_size",
            experts_key="num_experts", flags=_qwen_moe_flags, config_keys=_qwen_moe_config,
            marks={"qk_layernorm": True, "moe_router_score_function": "softmax"},
            moe_layers=_qwen_moe_layers,
-           dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
+           dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="Qwen2MoeForCausalLM", config_class="Qwen2MoeConfig",
-           router="mlp.gate.weight",
-           expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                               "mlp.experts.{e}.down_proj.weight"),
+           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
            qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
            experts_key="num_experts", flags=_qwen2_moe_flags, config_keys=_qwen2_moe_config,
            marks={"qk_layernorm": False, "moe_shared_expert_gate": True},
@@ -191,11 +191,9 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
                                 "moe_shared_expert_gate"}),
            moe_layers=_qwen_moe_layers,
-           dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
+           dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
-           router="mlp.gate.weight",
-           expert_projections=("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                               "mlp.experts.{e}.down_proj.weight"),
+           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
            qk_norm=lambda config: config.use_qk_norm, expert_width_key="moe_intermediate_size",
            experts_key="n_routed_experts", flags=_glm4_moe_flags, config_keys=_glm4_moe_config,
            marks={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
@@ -210,7 +208,7 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
                                 "moe_router_topk_scaling_factor", "moe_router_num_groups",
                                 "rotary_percent"}),
            moe_layers=_leading_dense_layers,
-           dense_mlp=("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"),
+           dense_mlp=_GATE_UP_DOWN_MLP,
            # GLM-4.5's multi-token-prediction layers follow the decoder's in its checkpoints
            ignored_layers=lambda config: range(config.num_hidden_layers, config.num_hidden_layers
                                                + config.num_nextn_predict_layers),

@@ -3,10 +3,10 @@ spec), and the two layouts megatron fuses:
 
 * `linear_qkv`: per query group g, the group's query heads, then its key head, then its value
   head ([g0: q.. k v][g1: q.. k v]...), rows of head_dim each; HF keeps q, k, v apart.
-  The q, k and v biases (Qwen2-MoE) are fused the same way.
-* an expert's (the shared expert's, a dense layer's) `linear_fc1`: the SwiGLU gate rows, then the up rows
-  (megatron's swiglu takes silu of the first half times the second); HF keeps gate_proj and
-  up_proj apart.
+  The q, k and v biases (Qwen2-MoE, GLM-4.5) are fused the same way.
+* an expert's (the shared expert's, a dense layer's) `linear_fc1`: the SwiGLU gate rows, then
+  the up rows (megatron's swiglu takes silu of the first half times the second); HF keeps
+  gate_proj and up_proj apart.
 
 Embedding and output layer carry megatron's padded vocabulary; the rows past the HF vocabulary
 are zeros on import and are dropped on export.
@@ -50,10 +50,12 @@ def rules(family: Family, config) -> list[Rule]:
         if family.qk_norm(config):
             found += [Rule(attention + f"{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",),
                            COPY) for p in "qk"]
-        found.append(Rule(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
-                          COPY))
-        found += _moe_rules(family, config, hf, mc) if moe_layers[i] else _dense_rules(family,
-                                                                                      hf, mc)
+        found.append(Rule(mc + "pre_mlp_layernorm.weight",
+                          (hf + "post_attention_layernorm.weight",), COPY))
+        if moe_layers[i]:
+            found += _moe_rules(family, config, hf, mc)
+        else:
+            found += _dense_rules(family, hf, mc)
     found.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
     if not config.tie_word_embeddings:
         found.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
