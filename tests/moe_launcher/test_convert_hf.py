@@ -286,17 +286,9 @@ def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
 
 
 # GLM-4.5-Air's architecture keys as its config.json (zai-org/GLM-4.5-Air) states them, in
-# transformers' older spelling (rope_theta and partial_rotary_factor at the top level).
-GLM45_AIR = {
-    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
-    "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "partial_rotary_factor": 0.5,
-    "intermediate_size": 10944, "max_position_embeddings": 131072, "moe_intermediate_size": 1408,
-    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1,
-    "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
-    "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
-    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
-    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_qk_norm": False, "vocab_size": 151552}
+# transformers' older spelling (rope_theta and partial_rotary_factor at the top level); the
+# glm45_air recipes are checked against the same file.
+GLM45_AIR = REPO / "tests" / "examples" / "published_configs" / "glm45_air.json"
 
 
 def test_glm45_air_builds_with_transformers_parameter_count(tmp_path, monkeypatch):
@@ -311,8 +303,8 @@ def test_glm45_air_builds_with_transformers_parameter_count(tmp_path, monkeypatc
     from moe_launcher.convert.families import family_of_architecture
     from moe_launcher.convert.import_hf import hf_config
 
-    (tmp_path / "config.json").write_text(json.dumps(GLM45_AIR))
-    family = family_of_architecture(GLM45_AIR["architectures"])
+    shutil.copy(GLM45_AIR, tmp_path / "config.json")
+    family = family_of_architecture(["Glm4MoeForCausalLM"])
     config = hf_config(family, str(tmp_path))
     flags = megatron_flags(family, config)
     assert flags[flags.index("--rotary-percent") + 1] == "0.5" and "--add-qkv-bias" in flags
