@@ -30,7 +30,7 @@ def _rope_flags(family: Family, config) -> list[str]:
               "megatron's rope here is plain rope (--use-rope-scaling is llama3's only)")
     fraction = rope.get("partial_rotary_factor", 1.0)
     # (GLM-4.5 rotates the first half of each head, as megatron's --rotary-percent does)
-    refuse_if(fraction != 1.0 and "rotary_percent" not in family.maps_args,
+    refuse_if(fraction != 1.0 and "rotary_percent" not in family.mapped_args,
               "partial_rotary_factor", fraction,
               f"{family.architecture} rotates every dimension of a head")
     theta = rope.get("rope_theta", 10000.0)
@@ -92,7 +92,7 @@ def megatron_flags(family: Family, config) -> list[str]:
 
 
 # Saved args that every family needs as they are (but those a family maps itself, its
-# `maps_args`); anything else is a model no family maps.
+# `mapped_args`); anything else is a model no family maps.
 _REQUIRED_ARGS = {
     "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False, "add_qkv_bias": False,
     "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
@@ -124,7 +124,7 @@ def check_exportable(family: Family, args, moe_layers: list[bool]) -> None:
     """Refuses saved args (and the MoE layers of the model megatron built from them, one entry
     a decoder layer) that the family's Hugging Face model does not compute."""
     for name, wanted in _REQUIRED_ARGS.items():
-        if name in family.maps_args:
+        if name in family.mapped_args:
             continue
         value = getattr(args, name, wanted)
         if value != wanted:
@@ -154,10 +154,11 @@ def hf_config_kwargs(family: Family, args, dtype: str, moe_layers: list[bool]) -
     check_exportable(family, args, moe_layers)
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
-    if "rotary_percent" in family.maps_args:
+    if "rotary_percent" in family.mapped_args:
         rope["partial_rotary_factor"] = args.rotary_percent
-    aux_loss = {family.aux_loss_key: _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff")
-                } if family.aux_loss_key else {}
+    aux_loss = {}
+    if family.aux_loss_key:
+        aux_loss[family.aux_loss_key] = _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff")
     return {
         "architectures": [family.architecture], "dtype": dtype,
         "vocab_size": vocab_size(args), "hidden_size": args.hidden_size,

@@ -41,7 +41,8 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
     import transformers
 
     config_class = getattr(transformers, family.config_class)
-    known = config_class(**source).to_dict()
+    source_config = config_class(**source)
+    known = source_config.to_dict()
     for key, value in derived.items():
         # (None: a key the config leaves to its modelling code, e.g. Mixtral's head_dim)
         if key not in _TRAINING_KEYS | _LAYER_KEYS and known.get(key) is not None \
@@ -49,7 +50,7 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
             raise ConvertError(f"--config-from {config_from} sets {key}={known[key]!r}, but the "
                                f"checkpoint's model has {value!r}: it is another model's config")
     # The same layers may be named otherwise (Qwen's decoder_sparse_step or mlp_only_layers).
-    if family.moe_layers(config_class(**source)) != family.moe_layers(config_class(**derived)):
+    if family.moe_layers(source_config) != family.moe_layers(config_class(**derived)):
         raise ConvertError(f"--config-from {config_from} makes other layers MoE layers than the "
                            "checkpoint's model: it is another model's config")
     return source

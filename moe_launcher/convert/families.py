@@ -43,7 +43,7 @@ class Family:
     expert_bias: str | None = None
     # The config key of the load-balancing loss's coefficient (None: the family has none).
     aux_loss_key: str | None = "router_aux_loss_coef"
-    # Saved megatron args the family maps itself (export does not require their defaults).
+    # Saved megatron args the family maps beyond those its tensors above imply (`mapped_args`).
     maps_args: frozenset = frozenset()
     # Which layers of a config are MoE layers (the others dense MLPs), as the family's
     # transformers model decides; and the HF names under `model.layers.{i}.` of a dense layer's
@@ -54,6 +54,15 @@ class Family:
     # transformers model ignores (not imported, said in a line), and what they are.
     ignored_layers: Callable[[object], range] = lambda config: range(0)
     ignored_layers_are: str = ""
+
+    @property
+    def mapped_args(self) -> frozenset:
+        """Saved megatron args the family maps itself: export does not require their defaults."""
+        implied = {"add_qkv_bias": self.qkv_bias_key,
+                   "moe_shared_expert_intermediate_size": self.shared_expert,
+                   "moe_shared_expert_gate": self.shared_expert_gate,
+                   "moe_router_enable_expert_bias": self.expert_bias}
+        return self.maps_args | {arg for arg, tensors in implied.items() if tensors}
 
 
 def refuse_if(condition: bool, key: str, value, why: str) -> None:
@@ -188,8 +197,6 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            shared_expert=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
                           "mlp.shared_expert.down_proj.weight"),
            shared_expert_gate="mlp.shared_expert_gate.weight",
-           maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
-                                "moe_shared_expert_gate"}),
            moe_layers=_qwen_moe_layers,
            dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
@@ -203,10 +210,8 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
                           "mlp.shared_experts.up_proj.weight",
                           "mlp.shared_experts.down_proj.weight"),
            expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
-           maps_args=frozenset({"add_qkv_bias", "moe_shared_expert_intermediate_size",
-                                "moe_router_score_function", "moe_router_enable_expert_bias",
-                                "moe_router_topk_scaling_factor", "moe_router_num_groups",
-                                "rotary_percent"}),
+           maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
+                                "moe_router_num_groups", "rotary_percent"}),
            moe_layers=_leading_dense_layers,
            dense_mlp=_GATE_UP_DOWN_MLP,
            # GLM-4.5's multi-token-prediction layers follow the decoder's in its checkpoints
