@@ -64,7 +64,7 @@ def gather_integers(values: Sequence[int], group=None, what: str = "values") -> 
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size(group))]
     dist.all_gather(counts, torch.tensor([len(values)], dtype=torch.int64, device=device),
                     group=group)
-    offered = [int(c.item()) for c in counts]
+    offered = torch.cat(counts).tolist()  # one device-to-host copy, not one per rank
     if len(set(offered)) != 1:
         raise RuntimeError(f"the ranks of one group offer different numbers of {what}: {offered}")
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
