@@ -533,12 +533,19 @@ def check_gated_delta_net_tensor_parallel_norm(args) -> None:
 
 @preflight_check("multi-latent-attention-spec")
 def check_multi_latent_attention_spec(args) -> None:
-    if args.multi_latent_attention and args.transformer_impl == "local":
+    if not args.multi_latent_attention or args.transformer_impl != "local":
+        return
+    from megatron_patches.build.local_mla_core_attention import local_core_attention_builds_mla
+
+    if not local_core_attention_builds_mla():  # (patch local-mla-core-attention left out)
         raise PreflightError("--multi-latent-attention",
                              "--multi-latent-attention on megatron's local spec "
-                             "(--transformer-impl local) builds an attention without k_channels and fails; fix: pass "
-                             "--transformer-impl transformer_engine (with Transformer Engine "
-                             "installed) or drop --multi-latent-attention")
+                             "(--transformer-impl local): megatron-core's local core attention "
+                             "takes no k_channels/v_channels (Megatron-LM #1589) and the model "
+                             "fails to build; fix: keep the patch local-mla-core-attention "
+                             "applied (out of MEGATRON_PATCHES_DISABLE), or pass "
+                             "--transformer-impl transformer_engine with Transformer Engine "
+                             "installed")
 
 
 @preflight_check("moe-tensor-parallel-sequence-parallel")

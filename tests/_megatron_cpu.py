@@ -64,26 +64,13 @@ def tiny_config(**overrides):
     return TransformerConfig(**kwargs)
 
 
-class MatmulCoreAttention(torch.nn.Module):
-    """softmax(Q·K^T)·V with plain matmuls, for MLA on CPU.
+def _with_mla_on_the_local_spec(config) -> None:
+    """megatron-core 0.19.2's local core attention builds MLA only with the launcher's patches
+    (local-mla-core-attention), applied as pretrain_moe.py applies them."""
+    if config.multi_latent_attention:
+        from _unpatched import apply_all
 
-    megatron-core 0.19.2's local DotProductAttention takes no k_channels/v_channels, so MLA only
-    builds with TransformerEngine. Its projections are megatron's own either way; this stands in
-    for the core attention kernel alone and does the same two matmuls.
-    """
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None,
-                 k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
-        super().__init__()
-        self.softmax_scale = softmax_scale
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):
-        s, b = query.shape[:2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (self.softmax_scale or q.shape[-1] ** -0.5)
-        probs = scores.masked_fill(attention_mask, float("-inf")).softmax(-1)
-        return torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(s, b, -1)
+        apply_all()
 
 
 def _forget_previous_model_metrics() -> None:
@@ -106,10 +93,8 @@ def build_gpt(config, seq_length: int):
 
     init_world()
     _forget_previous_model_metrics()
+    _with_mla_on_the_local_spec(config)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    if config.multi_latent_attention:
-        for layer_spec in spec.layer_specs:
-            layer_spec.submodules.self_attention.submodules.core_attention = MatmulCoreAttention
     mtp_spec = None
     if config.mtp_num_layers:
         mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
@@ -126,6 +111,7 @@ def build_hybrid(config, pattern: str, seq_length: int, vocab: int = VOCAB):
 
     init_world()
     _forget_previous_model_metrics()
+    _with_mla_on_the_local_spec(config)
     spec = local_hybrid_stack_spec(config.normalization, config.num_moe_experts)
     if config.multi_latent_attention:
         spec.submodules.mla_layer = _local_mla_layer()
@@ -135,8 +121,8 @@ def build_hybrid(config, pattern: str, seq_length: int, vocab: int = VOCAB):
 
 
 def _local_mla_layer():
-    """An MLA (`+`) layer of megatron's local modules with MatmulCoreAttention, for FLOPs only:
-    the launcher refuses `+` on the local spec (DotProductAttention takes no k_channels)."""
+    """An MLA (`+`) layer of megatron's local modules, for FLOPs only: the launcher's local
+    hybrid spec has no `+` layer (it refuses one)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.transformer.enums import AttnMaskType
@@ -156,7 +142,7 @@ def _local_mla_layer():
             submodules=MLASelfAttentionSubmodules(
                 linear_q_proj=column, linear_q_down_proj=column, linear_q_up_proj=column,
                 linear_kv_down_proj=column, linear_kv_up_proj=column,
-                core_attention=MatmulCoreAttention, linear_proj=backend.row_parallel_linear(),
+                core_attention=backend.core_attention(), linear_proj=backend.row_parallel_linear(),
                 q_layernorm=IdentityOp, kv_layernorm=IdentityOp)),
         self_attn_bda=get_bias_dropout_add))
 

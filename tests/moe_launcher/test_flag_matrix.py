@@ -46,6 +46,10 @@ NO_GATE = without(BASE, "--swiglu")  # GELU experts
 # name: command line (1 rank). Each must train for 2 iterations.
 TRAINS = {
     "base-swiglu-rmsnorm-rope": BASE,
+    # megatron's local spec with the patch local-mla-core-attention (refused before it)
+    "attention-multi-latent-local-spec": [*BASE, "--multi-latent-attention", "--q-lora-rank", "32",
+                                          "--kv-lora-rank", "16", "--qk-head-dim", "16",
+                                          "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"],
     "attention-gqa-qk-layernorm": [*BASE, "--group-query-attention", "--num-query-groups", "2",
                                    "--qk-layernorm"],
     "activation-gelu-experts": NO_GATE,
@@ -128,8 +132,6 @@ REFUSED = {
     "load-missing-and-not-save": (1, [*BASE, "--load", "{missing}"], "--load"),
     "overlap-moe-expert-parallel-comm": (1, [*BASE, "--overlap-moe-expert-parallel-comm"],
                                          "--overlap-moe-expert-parallel-comm"),
-    "multi-latent-attention-local-spec": (1, [*BASE, "--multi-latent-attention"],
-                                          "--multi-latent-attention"),
     "context-parallel-without-te": (2, [*BASE, "--context-parallel-size", "2"],
                                     "--context-parallel-size"),
     # features whose package this machine lacks (the optional-package table)

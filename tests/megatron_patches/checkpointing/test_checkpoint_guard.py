@@ -263,16 +263,14 @@ def test_layout_bound_optimizer_state_is_refused_as_a_layout_change():
 
 TE_ONLY_VARIANTS = {
     "latent-moe": ["--moe-latent-size", "32"],
-    "mla": ["--multi-latent-attention", "--kv-lora-rank", "32", "--qk-head-dim", "16",
-            "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16"],
-}
+}  # (multi-latent attention: tests/megatron_patches/build/test_local_mla_core_attention_cpu.py)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", TE_ONLY_VARIANTS)
 def test_te_only_variants_save_a_complete_checkpoint(variant, tmp_path):
     pytest.importorskip("transformer_engine", reason="megatron-core 0.19.2 builds latent MoE "
-                        "projections and multi-latent attention only with Transformer Engine")
+                        "projections only with Transformer Engine")
     save = tmp_path / "ckpt"
     run = launch(2, [*TINY_MODEL, *TE_ONLY_VARIANTS[variant], *ETP2, "--train-iters", "1",
                              "--save-interval", "1", "--save", str(save)], timeout=400)

@@ -1,0 +1,86 @@
+"""Patch local-mla-core-attention (Megatron-LM #1589): multi-latent attention builds and trains on
+megatron's local spec. Without the patch megatron's local core attention refuses MLA's head widths
+and the model does not build (the launcher refuses it in one line instead); with it the core
+attention equals torch's scaled_dot_product_attention (the reference) for q/k heads wider than
+v's, and a TP2 run computes the TP1 run's losses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import _megatron_cpu as cpu
+from _launch import TINY_MODEL, audit_report, launch, printed_losses
+
+NAME = "local-mla-core-attention"
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"]
+MLA_CONFIG = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+                  qk_pos_emb_head_dim=8, v_head_dim=12, normalization="RMSNorm")
+
+
+def test_unpatched_megatron_builds_no_mla_model_on_the_local_spec(monkeypatch):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_patches import registry
+
+    config = cpu.tiny_config(**MLA_CONFIG)
+    assert cpu.build_gpt(config, seq_length=16) is not None  # (applies the patches)
+    monkeypatch.setattr(DotProductAttention, "__init__",
+                        registry.unwrapped(DotProductAttention.__init__))
+    with pytest.raises(TypeError, match="k_channels"):
+        cpu.build_gpt(config, seq_length=16)
+
+
+@pytest.mark.parametrize("softmax_scale", [None, 0.3], ids=["default-scale", "mla-scale"])
+def test_core_attention_of_mla_head_widths_equals_torch_sdpa(softmax_scale):
+    """Reference: torch.nn.functional.scaled_dot_product_attention, causal, whose scale defaults
+    to 1/sqrt(q/k width) as megatron's does; q/k heads 24 wide, v heads 12 (a slice of a wider
+    tensor, as MLA splits its k/v projection)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cpu.build_gpt(cpu.tiny_config(**MLA_CONFIG), seq_length=16)  # the world and the patches
+    heads, seq, batch, k_width, v_width = 4, 10, 3, 24, 12
+    attention = DotProductAttention(cpu.tiny_config(num_attention_heads=heads), 1,
+                                    AttnMaskType.causal, "self", softmax_scale=softmax_scale,
+                                    k_channels=k_width, v_channels=v_width)
+    generator = torch.Generator().manual_seed(0)
+    query, key = (torch.randn(seq, batch, heads, k_width, generator=generator) for _ in "qk")
+    value = torch.randn(seq, batch, heads, k_width + v_width, generator=generator)[..., k_width:]
+    causal = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+    context = attention(query, key, value, causal, attn_mask_type=AttnMaskType.causal)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (query, key, value)), is_causal=True,
+        scale=softmax_scale).permute(2, 0, 1, 3).reshape(seq, batch, heads * v_width)
+    assert context.shape == expected.shape
+    torch.testing.assert_close(context, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_unpatched_mla_on_the_local_spec_is_refused_in_one_line(tmp_path):
+    run = launch(1, [*TINY_MODEL, *MLA, "--train-iters", "1", "--save", str(tmp_path / "ckpt"),
+                     "--save-interval", "1"], env={"MEGATRON_PATCHES_DISABLE": NAME}, timeout=180)
+    errors = [line for line in run.log.splitlines() if "error:" in line]
+    assert run.exit_codes == [2], run.log[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("pretrain_moe: error: --multi-latent-attention")
+    assert "Traceback" not in run.log and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.slow
+def test_mla_trains_at_tp2_with_the_tp1_losses_and_saves_whole(tmp_path):
+    """The context of each TP rank is its heads' v widths (v_head_dim x heads / TP): megatron's
+    MLA at TP2 + SP computes the TP1 model's losses (fp32, three steps), and its checkpoint holds
+    every MLA projection whole (the audit CLI)."""
+    fp32 = [word for word in TINY_MODEL if word != "--bf16"]
+    common = [*fp32, *MLA, "--train-iters", "3", "--seed", "7"]
+    one = launch(1, common, timeout=300).check()
+    two = launch(2, [*common, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                     "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+                     "--ckpt-format", "torch_dist"], timeout=300).check()
+    assert f"[megatron_patches] {NAME}: applied" in two.log
+    tp1, tp2 = printed_losses(one.log), printed_losses(two.log)
+    assert sorted(tp1) == [1, 2, 3] and sorted(tp2) == [1, 2, 3], (tp1, tp2)
+    for step in tp1:
+        assert float(tp2[step]) == pytest.approx(float(tp1[step]), rel=1e-5), (step, tp1, tp2)
+    audit_report(tmp_path / "ckpt" / "iter_0000003")
