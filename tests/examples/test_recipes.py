@@ -50,7 +50,6 @@ GPU_RECIPES = {
 TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}
 # Switches a twin drops, CPU-only (see the twin files for why).
 TWIN_DROPS = {"--moe-grouped-gemm"}
-TWIN_ONLY_DROPS = {"deepseek_v2_lite_fsdp_tiny_cpu": {"--multi-latent-attention"}}
 ALL_RECIPES = {**GPU_RECIPES,
                "tiny_cpu": (1, dict(GPUS_PER_NODE="3"), "--expert-model-parallel-size"),
                "tiny_hybrid_cpu": (1, dict(GPUS_PER_NODE="3"), "--expert-model-parallel-size"),
@@ -207,8 +206,7 @@ def test_fsdp_twin_takes_its_flags_from_its_recipe(twin):
     cpu, world = resolved(twin)
     assert world == 4
     gpu_values, cpu_values = flag_values(gpu), flag_values(cpu)
-    dropped = TWIN_DROPS | TWIN_ONLY_DROPS.get(twin, set())
-    assert set(cpu_values) == set(gpu_values) - dropped
+    assert set(cpu_values) == set(gpu_values) - TWIN_DROPS
     layout = flag_values(recipe_array(recipe, "LAYOUT_ARGS"))
     assert "--use-megatron-fsdp" in layout and "--expert-tensor-parallel-size" in layout
     ep = "--expert-model-parallel-size"
