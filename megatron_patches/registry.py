@@ -140,6 +140,7 @@ PATCH_MODULES = (
     "megatron_patches.build.attention_sink_tensor_parallel",
     "megatron_patches.build.local_mla_core_attention",
     "megatron_patches.checkpointing.moe_norm_checkpoint_key",
+    "megatron_patches.checkpointing.mla_norm_checkpoint_keys",
     "megatron_patches.checkpointing.distopt_torch_adam_resume",
     "megatron_patches.checkpointing.sgd_resume_state",
     "megatron_patches.checkpointing.distopt_reshardable_bucket_offsets",
