@@ -40,6 +40,30 @@ def _rope_flags(family: Family, config) -> list[str]:
     return ["--position-embedding-type", "rope", "--rotary-base", str(int(theta)), *partial]
 
 
+def _grouped_query_attention_flags(config) -> list[str]:
+    heads, groups = config.num_attention_heads, config.num_key_value_heads
+    flags = ["--kv-channels", str(head_dim(config))]
+    if groups != heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(groups)]
+    return flags
+
+
+def _multi_latent_attention_flags(config) -> list[str]:
+    """DeepSeek's attention: q through a compressed rank (q_lora_rank; None: one projection),
+    keys and values through one compressed kv with a shared rope key, each compressed q and kv
+    normalised (--qk-layernorm), heads of qk_nope + qk_rope dims for q/k and v_head_dim for v."""
+    q_rank = [] if config.q_lora_rank is None else ["--q-lora-rank", str(config.q_lora_rank)]
+    return ["--multi-latent-attention", *q_rank, "--kv-lora-rank", str(config.kv_lora_rank),
+            "--qk-head-dim", str(config.qk_nope_head_dim),
+            "--qk-pos-emb-head-dim", str(config.qk_rope_head_dim),
+            "--v-head-dim", str(config.v_head_dim), "--qk-layernorm",
+            # megatron's MLA defaults to yarn; its fused MLA rope computes yarn only
+            "--rope-type", "rope", "--no-rope-fusion"]
+
+
+_ATTENTION_FLAGS = {"gqa": _grouped_query_attention_flags, "mla": _multi_latent_attention_flags}
+
+
 def _load_balancing_flags(family: Family, config) -> list[str]:
     if family.aux_loss_key is None:  # (GLM-4.5 balances by its expert bias alone)
         return ["--moe-router-load-balancing-type", "none"]
@@ -59,13 +83,11 @@ def megatron_flags(family: Family, config) -> list[str]:
     if dtype not in DTYPE_FLAGS:
         raise ConvertError(f"config.json sets dtype={dtype!r}: only {sorted(DTYPE_FLAGS)} map "
                            "to megatron's precision flags")
-    heads, groups = config.num_attention_heads, config.num_key_value_heads
     flags = ["--num-layers", str(config.num_hidden_layers),
              "--hidden-size", str(config.hidden_size),
-             "--num-attention-heads", str(heads), "--kv-channels", str(head_dim(config))]
-    if groups != heads:
-        flags += ["--group-query-attention", "--num-query-groups", str(groups)]
-    flags += ["--max-position-embeddings", str(config.max_position_embeddings),
+             "--num-attention-heads", str(config.num_attention_heads),
+             *_ATTENTION_FLAGS[family.attention](config),
+             "--max-position-embeddings", str(config.max_position_embeddings),
               *_rope_flags(family, config),
               "--normalization", "RMSNorm", "--norm-epsilon", repr(config.rms_norm_eps),
               "--swiglu", "--disable-bias-linear",

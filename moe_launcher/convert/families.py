@@ -45,6 +45,10 @@ class Family:
     aux_loss_key: str | None = "router_aux_loss_coef"
     # Saved megatron args the family maps beyond those its tensors above imply (`mapped_args`).
     maps_args: frozenset = frozenset()
+    # The attention: "gqa" (q, k, v projections, grouped query heads) or "mla" (DeepSeek's
+    # multi-latent attention: compressed q and kv, each with its norm, megatron's
+    # --multi-latent-attention).
+    attention: str = "gqa"
     # Which layers of a config are MoE layers (the others dense MLPs), as the family's
     # transformers model decides; and the HF names under `model.layers.{i}.` of a dense layer's
     # gate, up and down projections (None: every layer of the family is a MoE layer).
@@ -115,7 +119,10 @@ def _leading_dense_layers(config) -> list[bool]:
     return [i >= config.first_k_dense_replace for i in range(config.num_hidden_layers)]
 
 
-def _glm4_moe_flags(config) -> list[str]:
+def _sigmoid_router_flags(config) -> list[str]:
+    """GLM-4.5's and DeepSeek-V3's MoE layers: a sigmoid router choosing by score + correction
+    bias among the experts of its best groups, renormalised and scaled, and gateless shared
+    experts of n_shared_experts expert widths."""
     top_k = config.num_experts_per_tok
     # megatron's sigmoid router renormalises the chosen scores exactly when it chooses several
     refuse_if(config.norm_topk_prob != (top_k > 1), "norm_topk_prob", config.norm_topk_prob,
@@ -139,27 +146,57 @@ def _glm4_moe_flags(config) -> list[str]:
                   "(num_experts_per_tok // topk_group), transformers' model by their top 2")
         flags += ["--moe-router-num-groups", str(config.n_group),
                   "--moe-router-group-topk", str(config.topk_group)]
-    return flags + (["--add-qkv-bias"] if config.attention_bias else [])
+    return flags
 
 
-def _glm4_moe_config(args, dense_layers: list[int]) -> dict:
+def _glm4_moe_flags(config) -> list[str]:
+    return _sigmoid_router_flags(config) + (["--add-qkv-bias"] if config.attention_bias else [])
+
+
+def _sigmoid_router_config(args, dense_layers: list[int]) -> dict:
     if dense_layers != list(range(len(dense_layers))):
         raise ConvertError(f"the checkpoint's dense layers {dense_layers} are not its first "
-                           "layers: Glm4MoeForCausalLM's dense layers are (first_k_dense_replace)")
+                           "layers: the family's dense layers are (first_k_dense_replace)")
     shared, width = args.moe_shared_expert_intermediate_size, args.moe_ffn_hidden_size
     if shared % width:
         raise ConvertError(f"the checkpoint's moe_shared_expert_intermediate_size={shared} is no "
-                           f"multiple of moe_ffn_hidden_size={width} (GLM's n_shared_experts)")
+                           f"multiple of moe_ffn_hidden_size={width} (the n_shared_experts)")
     return {"n_routed_experts": args.num_experts, "moe_intermediate_size": width,
             "intermediate_size": args.ffn_hidden_size, "n_shared_experts": shared // width,
             "norm_topk_prob": args.moe_router_topk > 1,
             "routed_scaling_factor": args.moe_router_topk_scaling_factor or 1.0,
             "n_group": args.moe_router_num_groups or 1,
             "topk_group": args.moe_router_group_topk or 1,
-            "first_k_dense_replace": len(dense_layers), "use_qk_norm": bool(args.qk_layernorm),
-            "attention_bias": bool(args.add_qkv_bias),
+            "first_k_dense_replace": len(dense_layers),
             # the converter maps no multi-token-prediction layer (transformers' model has none)
             "num_nextn_predict_layers": 0}
+
+
+def _glm4_moe_config(args, dense_layers: list[int]) -> dict:
+    return {**_sigmoid_router_config(args, dense_layers),
+            "use_qk_norm": bool(args.qk_layernorm), "attention_bias": bool(args.add_qkv_bias)}
+
+
+def _deepseek_v3_flags(config) -> list[str]:
+    # (q_a_proj, kv_a_proj_with_mqa and o_proj biases: refused with every attention_bias)
+    refuse_if(not config.rope_interleave, "rope_interleave", False,
+              "megatron's multi-latent attention rotates interleaved pairs of each rope head")
+    return _sigmoid_router_flags(config)
+
+
+def _deepseek_v3_config(args, dense_layers: list[int]) -> dict:
+    if args.rope_type != "rope":
+        raise ConvertError(f"the checkpoint's rope_type={args.rope_type!r}: the converter maps "
+                           "DeepSeek-V3's plain rope (rope_type 'rope')")
+    if not args.qk_layernorm:
+        raise ConvertError("the checkpoint's qk_layernorm=False: DeepseekV3ForCausalLM "
+                           "normalises the compressed q and kv (--qk-layernorm)")
+    return {**_sigmoid_router_config(args, dense_layers), "rope_interleave": True,
+            "q_lora_rank": args.q_lora_rank, "kv_lora_rank": args.kv_lora_rank,
+            "qk_nope_head_dim": args.qk_head_dim, "qk_rope_head_dim": args.qk_pos_emb_head_dim,
+            "v_head_dim": args.v_head_dim, "head_dim": args.qk_pos_emb_head_dim,
+            # every head has its own keys and values (expanded from the one compressed kv)
+            "num_key_value_heads": args.num_attention_heads}
 
 
 def _mixtral_flags(config) -> list[str]:
@@ -179,20 +216,31 @@ def _mixtral_config(args, dense_layers: list[int]) -> dict:
 # The Qwen-MoE and GLM-4.5 names of expert {e}'s projections and of a dense layer's.
 _GATE_UP_DOWN_EXPERTS = tuple(f"mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down"))
 _GATE_UP_DOWN_MLP = tuple(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+_GATE_UP_DOWN_SHARED_EXPERTS = tuple(f"mlp.shared_experts.{p}_proj.weight"
+                                     for p in ("gate", "up", "down"))
+
+
+def _mtp_layers(config) -> range:
+    """GLM-4.5's and DeepSeek-V3's multi-token-prediction layers, which follow the decoder's in
+    their checkpoints."""
+    return range(config.num_hidden_layers,
+                 config.num_hidden_layers + config.num_nextn_predict_layers)
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     Family(architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",
            router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
            qk_norm=lambda config: True, expert_width_key="moe_intermediate_size",
            experts_key="num_experts", flags=_qwen_moe_flags, config_keys=_qwen_moe_config,
-           marks={"qk_layernorm": True, "moe_router_score_function": "softmax"},
+           marks={"qk_layernorm": True, "moe_router_score_function": "softmax",
+                  "multi_latent_attention": False},
            moe_layers=_qwen_moe_layers,
            dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="Qwen2MoeForCausalLM", config_class="Qwen2MoeConfig",
            router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
            qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
            experts_key="num_experts", flags=_qwen2_moe_flags, config_keys=_qwen2_moe_config,
-           marks={"qk_layernorm": False, "moe_shared_expert_gate": True},
+           marks={"qk_layernorm": False, "moe_shared_expert_gate": True,
+                  "multi_latent_attention": False},
            qkv_bias_key="qkv_bias",
            shared_expert=("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
                           "mlp.shared_expert.down_proj.weight"),
@@ -204,21 +252,34 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            qk_norm=lambda config: config.use_qk_norm, expert_width_key="moe_intermediate_size",
            experts_key="n_routed_experts", flags=_glm4_moe_flags, config_keys=_glm4_moe_config,
            marks={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-                  "moe_shared_expert_gate": False},
+                  "moe_shared_expert_gate": False, "multi_latent_attention": False},
            qkv_bias_key="attention_bias",
-           shared_expert=("mlp.shared_experts.gate_proj.weight",
-                          "mlp.shared_experts.up_proj.weight",
-                          "mlp.shared_experts.down_proj.weight"),
+           shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS,
            expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
            maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
                                 "moe_router_num_groups", "rotary_percent"}),
            moe_layers=_leading_dense_layers,
            dense_mlp=_GATE_UP_DOWN_MLP,
-           # GLM-4.5's multi-token-prediction layers follow the decoder's in its checkpoints
-           ignored_layers=lambda config: range(config.num_hidden_layers, config.num_hidden_layers
-                                               + config.num_nextn_predict_layers),
+           ignored_layers=_mtp_layers,
            ignored_layers_are="multi-token-prediction layers, which transformers' "
                               "Glm4MoeForCausalLM ignores too"),
+    Family(architecture="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
+           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
+           qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
+           experts_key="n_routed_experts", flags=_deepseek_v3_flags,
+           config_keys=_deepseek_v3_config,
+           marks={"multi_latent_attention": True, "moe_router_score_function": "sigmoid",
+                  "moe_router_enable_expert_bias": True, "moe_shared_expert_gate": False},
+           shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS,
+           expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
+           maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
+                                "moe_router_num_groups", "multi_latent_attention"}),
+           attention="mla",
+           moe_layers=_leading_dense_layers,
+           dense_mlp=_GATE_UP_DOWN_MLP,
+           ignored_layers=_mtp_layers,
+           ignored_layers_are="multi-token-prediction layers, which transformers' "
+                              "DeepseekV3ForCausalLM ignores too"),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
            router="block_sparse_moe.gate.weight",
            expert_projections=("block_sparse_moe.experts.{e}.w1.weight",
@@ -228,15 +289,16 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            experts_key="num_local_experts",
            flags=_mixtral_flags, config_keys=_mixtral_config,
            marks={"qk_layernorm": False, "moe_router_pre_softmax": False,
-                  "moe_shared_expert_gate": False, "moe_router_score_function": "softmax"}),
+                  "moe_shared_expert_gate": False, "moe_router_score_function": "softmax",
+                  "multi_latent_attention": False}),
 )}
 
 REFUSED: dict[str, str] = {
     "OlmoeForCausalLM": "OLMoE normalises q and k over the whole projection (one RMSNorm of "
                         "num_heads*head_dim), megatron's --qk-layernorm normalises each head "
                         "(head_dim): the forward would differ",
-    "DeepseekV2ForCausalLM": "DeepSeek-V2's multi-latent attention builds in megatron only with "
-                             "Transformer Engine, not on the local spec this converter uses",
+    "DeepseekV2ForCausalLM": "DeepSeek-V2's softmax router (topk_method) and complex-form rope "
+                             "are not mapped yet (DeepseekV3ForCausalLM is)",
 }
 
 

@@ -37,19 +37,9 @@ def rules(family: Family, config) -> list[Rule]:
     moe_layers = family.moe_layers(config)
     for i in range(config.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attention = mc + "self_attention."
-        found += [
-            Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), COPY),
-            Rule(attention + "linear_qkv.weight",
-                 tuple(f"{hf}self_attn.{p}_proj.weight" for p in "qkv"), QKV),
-            Rule(attention + "linear_proj.weight", (hf + "self_attn.o_proj.weight",), COPY),
-        ]
-        if family.qkv_bias_key and getattr(config, family.qkv_bias_key):
-            found.append(Rule(attention + "linear_qkv.bias",
-                              tuple(f"{hf}self_attn.{p}_proj.bias" for p in "qkv"), QKV))
-        if family.qk_norm(config):
-            found += [Rule(attention + f"{p}_layernorm.weight", (f"{hf}self_attn.{p}_norm.weight",),
-                           COPY) for p in "qk"]
+        found.append(Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), COPY))
+        found += _ATTENTION_RULES[family.attention](family, config, hf + "self_attn.",
+                                                    mc + "self_attention.")
         found.append(Rule(mc + "pre_mlp_layernorm.weight",
                           (hf + "post_attention_layernorm.weight",), COPY))
         if moe_layers[i]:
@@ -60,6 +50,40 @@ def rules(family: Family, config) -> list[Rule]:
     if not config.tie_word_embeddings:
         found.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
     return found
+
+
+def _grouped_query_attention_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:
+    """q, k, v fused per query group (and their biases), the output projection, the per-head
+    q and k norms where the family has them."""
+    found = [Rule(mc + "linear_qkv.weight", tuple(f"{hf}{p}_proj.weight" for p in "qkv"), QKV),
+             Rule(mc + "linear_proj.weight", (hf + "o_proj.weight",), COPY)]
+    if family.qkv_bias_key and getattr(config, family.qkv_bias_key):
+        found.append(Rule(mc + "linear_qkv.bias", tuple(f"{hf}{p}_proj.bias" for p in "qkv"),
+                          QKV))
+    if family.qk_norm(config):
+        found += [Rule(mc + f"{p}_layernorm.weight", (f"{hf}{p}_norm.weight",), COPY)
+                  for p in "qk"]
+    return found
+
+
+def _multi_latent_attention_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:
+    """DeepSeek's projections, one megatron linear each in the same row order: q (through its
+    compressed rank and norm where q_lora_rank is set), per head [nope | rope] dims; the
+    compressed kv [kv_lora_rank | the shared rope key]; its up-projection, per head [k nope | v]."""
+    if config.q_lora_rank is None:
+        found = [Rule(mc + "linear_q_proj.weight", (hf + "q_proj.weight",), COPY)]
+    else:
+        found = [Rule(mc + "linear_q_down_proj.weight", (hf + "q_a_proj.weight",), COPY),
+                 Rule(mc + "q_layernorm.weight", (hf + "q_a_layernorm.weight",), COPY),
+                 Rule(mc + "linear_q_up_proj.weight", (hf + "q_b_proj.weight",), COPY)]
+    return found + [
+        Rule(mc + "linear_kv_down_proj.weight", (hf + "kv_a_proj_with_mqa.weight",), COPY),
+        Rule(mc + "kv_layernorm.weight", (hf + "kv_a_layernorm.weight",), COPY),
+        Rule(mc + "linear_kv_up_proj.weight", (hf + "kv_b_proj.weight",), COPY),
+        Rule(mc + "linear_proj.weight", (hf + "o_proj.weight",), COPY)]
+
+
+_ATTENTION_RULES = {"gqa": _grouped_query_attention_rules, "mla": _multi_latent_attention_rules}
 
 
 def _moe_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:

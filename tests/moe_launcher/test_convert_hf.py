@@ -85,6 +85,27 @@ def _glm4_moe(**keys):
         attention_bias=True, max_position_embeddings=64, num_nextn_predict_layers=0), **keys})
 
 
+def _deepseek_v3(**keys):
+    from transformers import DeepseekV3Config
+
+    # DeepSeek-V3's layout: multi-latent attention (q through a compressed rank and its norm, k
+    # and v through one compressed kv and its norm, a rope key shared by the heads, q/k heads of
+    # nope + rope dims wider than v's), a dense first layer, GLM-4.5's sigmoid router (score +
+    # correction bias, 8 experts in 4 groups, 2 chosen, top-4, scaled), a gateless shared expert.
+    return DeepseekV3Config(**{**dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, max_position_embeddings=64,
+        num_nextn_predict_layers=0), **keys})
+
+
+def _deepseek_v3_q_proj():
+    # q in one projection (q_lora_rank None, as DeepSeek-V2-Lite): megatron's linear_q_proj
+    return _deepseek_v3(q_lora_rank=None)
+
+
 def _qwen3_moe_tied():
     config = _qwen3_moe()
     config.tie_word_embeddings = True
@@ -99,7 +120,8 @@ def _qwen3_moe_tied_bf16():
 
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
             "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step,
-            "glm4_moe": _glm4_moe}
+            "glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3,
+            "deepseek_v3_q_proj": _deepseek_v3_q_proj}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -260,7 +282,7 @@ def test_round_trip_is_bit_identical(converted):
 
 
 @pytest.mark.parametrize("spec", ["transformer_engine", "local"])
-@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_round_trips_through_fsdp_dtensor(family, spec, family_conversions, tmp_path):
     """The shared expert's fused fc1 (saved as its SwiGLU halves) and gate, the fused q, k, v
     biases, a dense layer, the router's expert bias, through Megatron-FSDP's format under either
@@ -353,7 +375,8 @@ def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     # the family, judged from the checkpoint's args, is said
     assert "convert: export-hf: MixtralForCausalLM, the Hugging Face model whose forward the " \
            "checkpoint's args compute (qk_layernorm=False, moe_router_pre_softmax=False, " \
-           "moe_shared_expert_gate=False, moe_router_score_function=softmax)" \
+           "moe_shared_expert_gate=False, moe_router_score_function=softmax, " \
+           "multi_latent_attention=False)" \
            in run.stdout, run.stdout
     # without --config-from, a line says which token ids are the class's defaults
     assert "are MixtralConfig's defaults; --config-from the source model's folder" in run.stdout
@@ -943,26 +966,39 @@ def test_shared_expert_and_qkv_biases_train_as_transformers_does(family_conversi
     print(f"Qwen2-MoE at TP2 x SP x EP2: {launched}; transformers' {reference}")
 
 
-def test_sigmoid_router_with_expert_bias_trains_as_transformers_does(family_conversions,
+@pytest.mark.parametrize("family, disabled", [
+    ("glm4_moe", None), ("deepseek_v3", None),
+    ("deepseek_v3", "mla-shared-rope-key-gradient")])
+def test_sigmoid_router_with_expert_bias_trains_as_transformers_does(family, disabled,
+                                                                     family_conversions,
                                                                      tmp_path):
     """A GLM-4.5-like import (a dense first layer; a sigmoid router choosing by score + expert
     bias among 2 of 4 groups, renormalised and scaled by 2.5; a gateless shared expert; q, k, v
-    biases; per-head q/k norms; rope on half of each head) at TP2 x SP x EP2 x ETP1 (2 ranks,
-    two micro-batches of distinct samples): three steps log transformers'
-    Glm4MoeForCausalLM's losses and gradient norms (1e-5). The expert bias is held still
-    (`--moe-router-bias-update-rate 0`): transformers' model never moves it, megatron's moves
-    it after every step by the tokens each expert got."""
-    _, hf_dir, ckpt, _ = family_conversions("glm4_moe")
+    biases; per-head q/k norms; rope on half of each head), and a DeepSeek-V3-like one (the same
+    layers and router, multi-latent attention: its heads and q/kv up-projections split over TP,
+    its compressed q and kv whole on each rank), at TP2 x SP x EP2 x ETP1 (2 ranks, two
+    micro-batches of distinct samples): three steps log transformers' model's losses and
+    gradient norms (1e-5). The expert bias is held still (`--moe-router-bias-update-rate 0`):
+    transformers' model never moves it, megatron's moves it after every step by the tokens
+    each expert got. Without the patch mla-shared-rope-key-gradient the DeepSeek import's first
+    gradient norm is already off (each TP rank's rope-key rows keep their own heads' share)."""
+    _, hf_dir, ckpt, _ = family_conversions(family)
     corpus = str(tmp_path / "corpus_text_document")
     _random_corpus(corpus, seed=9)
     steps, lr = 3, 1e-3
     launched = _launched_steps(ckpt, corpus, tmp_path / "run",
                                [*TP2_SP_EP2, "--micro-batch-size", "1",
                                 "--moe-router-bias-update-rate", "0"],
-                               iterations=steps, lr=lr)
+                               iterations=steps, lr=lr,
+                               env={"MEGATRON_PATCHES_DISABLE": disabled} if disabled else None)
     batches = _megatron_batches(corpus, steps, 2)
     reference = _transformers_steps(hf_dir, batches, lr)
-    assert not _differences(launched, reference), _differences(launched, reference)
+    differences = _differences(launched, reference)
+    if disabled:
+        assert any(line.startswith("iteration 1: launcher's grad-norm") for line in differences)
+        assert not any("iteration 1: launcher's lm loss" in line for line in differences)
+        return
+    assert not differences, differences
     assert _moved_by_training(launched, hf_dir, batches)
 
 
@@ -1103,6 +1139,25 @@ def test_export_refuses_glm_variants_no_family_maps(remove, add, named, family_c
     _assert_export_refuses("glm4_moe", remove, add, named, family_conversions, monkeypatch)
 
 
+@pytest.mark.parametrize("remove, add, named", [
+    # DeepSeek-V3 normalises the compressed q and kv
+    (("--qk-layernorm",), (), "qk_layernorm=False"),
+    # megatron's yarn rope (its MLA default) is not DeepSeek-V3's plain rope
+    ((), ("--rope-type", "yarn"), "rope_type='yarn'"),
+])
+def test_export_refuses_deepseek_variants_no_family_maps(remove, add, named, family_conversions,
+                                                         monkeypatch):
+    _assert_export_refuses("deepseek_v3", remove, add, named, family_conversions, monkeypatch)
+
+
+def test_import_refuses_deepseek_rope_on_halves(family_conversions, tmp_path, capsys):
+    """rope_interleave false rotates the first half of each rope head against the second;
+    megatron's multi-latent attention rotates interleaved pairs."""
+    _, hf_dir, _, _ = family_conversions("deepseek_v3")
+    folder = _with_config(hf_dir, tmp_path / "hf", rope_interleave=False)
+    assert "rope_interleave" in refused(capsys, tmp_path, "import-hf", folder)
+
+
 def _assert_export_refuses(source: str, remove, add, named, family_conversions, monkeypatch):
     """Args as megatron's parser and validation make them for `source`'s imported flags
     without `remove`, with `add`, and the model megatron builds from them: export refuses
@@ -1173,7 +1228,7 @@ def _with_config(source: Path, target: Path, **changes) -> Path:
     ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM is not supported"),
     ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "whole projection"),
     ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
-     "Transformer Engine"),
+     "not mapped yet"),
     ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
      "rope_type"),

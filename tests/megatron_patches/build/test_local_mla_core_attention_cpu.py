@@ -21,14 +21,13 @@ MLA_CONFIG = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, 
 
 
 def test_unpatched_megatron_builds_no_mla_model_on_the_local_spec(monkeypatch):
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer import multi_latent_attention
 
-    from megatron_patches import registry
+    from _unpatched import leave_out
 
     config = cpu.tiny_config(**MLA_CONFIG)
     assert cpu.build_gpt(config, seq_length=16) is not None  # (applies the patches)
-    monkeypatch.setattr(DotProductAttention, "__init__",
-                        registry.unwrapped(DotProductAttention.__init__))
+    leave_out(monkeypatch, NAME, multi_latent_attention, "build_module")
     with pytest.raises(TypeError, match="k_channels"):
         cpu.build_gpt(config, seq_length=16)
 
@@ -38,14 +37,18 @@ def test_core_attention_of_mla_head_widths_equals_torch_sdpa(softmax_scale):
     """Reference: torch.nn.functional.scaled_dot_product_attention, causal, whose scale defaults
     to 1/sqrt(q/k width) as megatron's does; q/k heads 24 wide, v heads 12 (a slice of a wider
     tensor, as MLA splits its k/v projection)."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     cpu.build_gpt(cpu.tiny_config(**MLA_CONFIG), seq_length=16)  # the world and the patches
     heads, seq, batch, k_width, v_width = 4, 10, 3, 24, 12
-    attention = DotProductAttention(cpu.tiny_config(num_attention_heads=heads), 1,
-                                    AttnMaskType.causal, "self", softmax_scale=softmax_scale,
-                                    k_channels=k_width, v_channels=v_width)
+    # as MLA builds its core attention (megatron's build_module where its module calls it)
+    attention = multi_latent_attention.build_module(
+        DotProductAttention, config=cpu.tiny_config(num_attention_heads=heads), layer_number=1,
+        attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=softmax_scale,
+        k_channels=k_width, v_channels=v_width)
+    assert isinstance(attention, DotProductAttention)
     generator = torch.Generator().manual_seed(0)
     query, key = (torch.randn(seq, batch, heads, k_width, generator=generator) for _ in "qk")
     value = torch.randn(seq, batch, heads, k_width + v_width, generator=generator)[..., k_width:]
@@ -70,7 +73,9 @@ def test_unpatched_mla_on_the_local_spec_is_refused_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_mla_trains_at_tp2_with_the_tp1_losses_and_saves_whole(tmp_path):
     """The context of each TP rank is its heads' v widths (v_head_dim x heads / TP): megatron's
-    MLA at TP2 + SP computes the TP1 model's losses (fp32, three steps), and its checkpoint holds
+    MLA at TP2 + SP computes the TP1 model's losses and gradient norms (fp32, three steps; with
+    the patch mla-shared-rope-key-gradient, which sums the rope key's gradient over TP), and its
+    checkpoint holds
     every MLA projection whole (the audit CLI)."""
     fp32 = [word for word in TINY_MODEL if word != "--bf16"]
     common = [*fp32, *MLA, "--train-iters", "3", "--seed", "7"]
@@ -79,8 +84,9 @@ def test_mla_trains_at_tp2_with_the_tp1_losses_and_saves_whole(tmp_path):
                      "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
                      "--ckpt-format", "torch_dist"], timeout=300).check()
     assert f"[megatron_patches] {NAME}: applied" in two.log
-    tp1, tp2 = printed_losses(one.log), printed_losses(two.log)
-    assert sorted(tp1) == [1, 2, 3] and sorted(tp2) == [1, 2, 3], (tp1, tp2)
-    for step in tp1:
-        assert float(tp2[step]) == pytest.approx(float(tp1[step]), rel=1e-5), (step, tp1, tp2)
+    for key in ("lm loss", "grad norm"):
+        tp1, tp2 = printed_losses(one.log, key), printed_losses(two.log, key)
+        assert sorted(tp1) == [1, 2, 3] and sorted(tp2) == [1, 2, 3], (key, tp1, tp2)
+        for step in tp1:
+            assert float(tp2[step]) == pytest.approx(float(tp1[step]), rel=1e-5), (key, tp1, tp2)
     audit_report(tmp_path / "ckpt" / "iter_0000003")
