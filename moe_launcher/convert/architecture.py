@@ -23,11 +23,47 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+# The yarn rope of megatron's multi-latent attention (MLATransformerConfig): no flag sets these.
+MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                  "truncate": True}
+
+
+def _mla_rope_flags(rope: dict, kind: str, max_positions: int) -> list[str]:
+    """megatron's MLA rope: plain (its fused MLA rope computes yarn only), or yarn with its
+    scaling factor and DeepSeek's two mscales (the rope's cos/sin scaled by mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim), the softmax by mscale(factor, mscale_all_dim)^2)."""
+    if kind == "default":
+        return ["--rope-type", "rope", "--no-rope-fusion"]
+    refuse_if(kind != "yarn", "rope_parameters.rope_type (rope_scaling)", kind,
+              "megatron's multi-latent attention computes plain rope or yarn")
+    for key, fixed in MLA_YARN_FIXED.items():
+        value = rope.get(key)
+        refuse_if(value is not None and value != fixed, f"rope_parameters.{key}", value,
+                  f"megatron's multi-latent attention fixes its yarn {key} at {fixed!r} (no flag)")
+    refuse_if(rope.get("attention_factor") is not None, "rope_parameters.attention_factor",
+              rope.get("attention_factor"), "megatron derives yarn's attention factor from the "
+              "mscales (no flag)")
+    factor = rope.get("factor") or max_positions / MLA_YARN_FIXED["original_max_position_embeddings"]
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    # transformers uses both mscales only where both are set, else mscale(factor) alone
+    refuse_if(bool(mscale_all_dim) and not mscale, "rope_parameters.mscale", mscale,
+              "transformers then ignores mscale_all_dim in the rope's scale, megatron does not")
+    refuse_if(not mscale_all_dim and mscale not in (None, 1.0), "rope_parameters.mscale", mscale,
+              "transformers then scales the rope by mscale(factor) alone, megatron by this mscale")
+    return ["--rope-type", "yarn", "--rotary-scaling-factor", repr(float(factor)),
+            "--mscale", repr(float(mscale or 1.0)),
+            "--mscale-all-dim", repr(float(mscale_all_dim or 0.0))]
+
+
 def _rope_flags(family: Family, config) -> list[str]:
     rope = dict(getattr(config, "rope_parameters", None) or {})
     kind = rope.get("rope_type", "default")
-    refuse_if(kind != "default", "rope_parameters.rope_type (rope_scaling)", kind,
-              "megatron's rope here is plain rope (--use-rope-scaling is llama3's only)")
+    if family.attention == "mla":
+        kind_flags = _mla_rope_flags(rope, kind, config.max_position_embeddings)
+    else:
+        refuse_if(kind != "default", "rope_parameters.rope_type (rope_scaling)", kind,
+                  "megatron's rope here is plain rope (--use-rope-scaling is llama3's only)")
+        kind_flags = []
     fraction = rope.get("partial_rotary_factor", 1.0)
     # (GLM-4.5 rotates the first half of each head, as megatron's --rotary-percent does)
     refuse_if(fraction != 1.0 and "rotary_percent" not in family.mapped_args,
@@ -37,7 +73,8 @@ def _rope_flags(family: Family, config) -> list[str]:
     # megatron's --rotary-base is an integer.
     refuse_if(theta != int(theta), "rope_theta", theta, "megatron's --rotary-base is an integer")
     partial = ["--rotary-percent", repr(float(fraction))] if fraction != 1.0 else []
-    return ["--position-embedding-type", "rope", "--rotary-base", str(int(theta)), *partial]
+    return ["--position-embedding-type", "rope", "--rotary-base", str(int(theta)), *partial,
+            *kind_flags]
 
 
 def _grouped_query_attention_flags(config) -> list[str]:
@@ -56,9 +93,7 @@ def _multi_latent_attention_flags(config) -> list[str]:
     return ["--multi-latent-attention", *q_rank, "--kv-lora-rank", str(config.kv_lora_rank),
             "--qk-head-dim", str(config.qk_nope_head_dim),
             "--qk-pos-emb-head-dim", str(config.qk_rope_head_dim),
-            "--v-head-dim", str(config.v_head_dim), "--qk-layernorm",
-            # megatron's MLA defaults to yarn; its fused MLA rope computes yarn only
-            "--rope-type", "rope", "--no-rope-fusion"]
+            "--v-head-dim", str(config.v_head_dim), "--qk-layernorm"]
 
 
 _ATTENTION_FLAGS = {"gqa": _grouped_query_attention_flags, "mla": _multi_latent_attention_flags}

@@ -184,10 +184,25 @@ def _deepseek_v3_flags(config) -> list[str]:
     return _sigmoid_router_flags(config)
 
 
+def _deepseek_rope(args) -> dict:
+    """rope_parameters of megatron's MLA rope: plain, or yarn with the values megatron fixes."""
+    from .architecture import MLA_YARN_FIXED
+
+    rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if args.rope_type == "yarn":
+        return {**rope, "rope_type": "yarn", "factor": args.rotary_scaling_factor,
+                "mscale": args.mscale, "mscale_all_dim": args.mscale_all_dim,
+                **{key: value for key, value in MLA_YARN_FIXED.items() if key != "truncate"}}
+    # (megatron's MLA scales its softmax by mscale(rotary_scaling_factor, mscale_all_dim)^2
+    # whatever the rope)
+    if args.rope_type != "rope" or (args.rotary_scaling_factor > 1 and args.mscale_all_dim):
+        raise ConvertError(f"the checkpoint's rope_type={args.rope_type!r}, rotary_scaling_factor="
+                           f"{args.rotary_scaling_factor!r}, mscale_all_dim="
+                           f"{args.mscale_all_dim!r} has no DeepSeek rope mapping")
+    return rope
+
+
 def _deepseek_v3_config(args, dense_layers: list[int]) -> dict:
-    if args.rope_type != "rope":
-        raise ConvertError(f"the checkpoint's rope_type={args.rope_type!r}: the converter maps "
-                           "DeepSeek-V3's plain rope (rope_type 'rope')")
     if not args.qk_layernorm:
         raise ConvertError("the checkpoint's qk_layernorm=False: DeepseekV3ForCausalLM "
                            "normalises the compressed q and kv (--qk-layernorm)")
@@ -195,6 +210,7 @@ def _deepseek_v3_config(args, dense_layers: list[int]) -> dict:
             "q_lora_rank": args.q_lora_rank, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_head_dim, "qk_rope_head_dim": args.qk_pos_emb_head_dim,
             "v_head_dim": args.v_head_dim, "head_dim": args.qk_pos_emb_head_dim,
+            "rope_parameters": _deepseek_rope(args),
             # every head has its own keys and values (expanded from the one compressed kv)
             "num_key_value_heads": args.num_attention_heads}
 

@@ -106,6 +106,17 @@ def _deepseek_v3_q_proj():
     return _deepseek_v3(q_lora_rank=None)
 
 
+# DeepSeek-V2-Lite's published yarn (factor 40 over 4096 positions, both mscales 0.707): the
+# rope head's low frequencies interpolated, the softmax scaled by mscale(40, 0.707)^2
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+def _deepseek_v3_yarn():
+    return _deepseek_v3(rope_parameters=dict(YARN))
+
+
 def _qwen3_moe_tied():
     config = _qwen3_moe()
     config.tie_word_embeddings = True
@@ -121,7 +132,7 @@ def _qwen3_moe_tied_bf16():
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
             "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step,
             "glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3,
-            "deepseek_v3_q_proj": _deepseek_v3_q_proj}
+            "deepseek_v3_q_proj": _deepseek_v3_q_proj, "deepseek_v3_yarn": _deepseek_v3_yarn}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -1142,20 +1153,32 @@ def test_export_refuses_glm_variants_no_family_maps(remove, add, named, family_c
 @pytest.mark.parametrize("remove, add, named", [
     # DeepSeek-V3 normalises the compressed q and kv
     (("--qk-layernorm",), (), "qk_layernorm=False"),
-    # megatron's yarn rope (its MLA default) is not DeepSeek-V3's plain rope
-    ((), ("--rope-type", "yarn"), "rope_type='yarn'"),
+    # plain rope with megatron's yarn softmax scale (mscale(40, 0.707)^2): no DeepSeek rope
+    ((), ("--rotary-scaling-factor", "40", "--mscale-all-dim", "0.707"), "no DeepSeek rope"),
 ])
 def test_export_refuses_deepseek_variants_no_family_maps(remove, add, named, family_conversions,
                                                          monkeypatch):
     _assert_export_refuses("deepseek_v3", remove, add, named, family_conversions, monkeypatch)
 
 
-def test_import_refuses_deepseek_rope_on_halves(family_conversions, tmp_path, capsys):
-    """rope_interleave false rotates the first half of each rope head against the second;
-    megatron's multi-latent attention rotates interleaved pairs."""
+@pytest.mark.parametrize("changes, named", [
+    # rope_interleave false rotates the first half of each rope head against the second;
+    # megatron's multi-latent attention rotates interleaved pairs
+    ({"rope_interleave": False}, "rope_interleave"),
+    # megatron's MLA yarn has no flag for these
+    ({"rope_parameters": {**YARN, "original_max_position_embeddings": 8192}},
+     "original_max_position_embeddings"),
+    ({"rope_parameters": {**YARN, "beta_fast": 16.0}}, "beta_fast"),
+    # transformers' rope scale then ignores mscale_all_dim, megatron's does not
+    ({"rope_parameters": {**YARN, "mscale": None}}, "rope_parameters.mscale"),
+    ({"rope_parameters": {**YARN, "rope_type": "linear"}}, "rope_type"),
+])
+def test_import_refuses_deepseek_ropes_megatron_computes_otherwise(changes, named,
+                                                                   family_conversions, tmp_path,
+                                                                   capsys):
     _, hf_dir, _, _ = family_conversions("deepseek_v3")
-    folder = _with_config(hf_dir, tmp_path / "hf", rope_interleave=False)
-    assert "rope_interleave" in refused(capsys, tmp_path, "import-hf", folder)
+    folder = _with_config(hf_dir, tmp_path / "hf", **changes)
+    assert named in refused(capsys, tmp_path, "import-hf", folder)
 
 
 def _assert_export_refuses(source: str, remove, add, named, family_conversions, monkeypatch):
