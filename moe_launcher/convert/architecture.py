@@ -100,10 +100,12 @@ _ATTENTION_FLAGS = {"gqa": _grouped_query_attention_flags, "mla": _multi_latent_
 
 
 def _load_balancing_flags(family: Family, config) -> list[str]:
-    if family.aux_loss_key is None:  # (GLM-4.5 balances by its expert bias alone)
+    coefficient = getattr(config, family.aux_loss_key, None) if family.aux_loss_key else None
+    if coefficient is None:  # (GLM-4.5 balances by its expert bias alone)
         return ["--moe-router-load-balancing-type", "none"]
-    return ["--moe-router-load-balancing-type", "aux_loss",
-            "--moe-aux-loss-coeff", repr(getattr(config, family.aux_loss_key))]
+    sequence_level = family.seq_aux_key and getattr(config, family.seq_aux_key, False)
+    return ["--moe-router-load-balancing-type", "seq_aux_loss" if sequence_level else "aux_loss",
+            "--moe-aux-loss-coeff", repr(coefficient)]
 
 
 def megatron_flags(family: Family, config) -> list[str]:
@@ -193,8 +195,9 @@ def check_exportable(family: Family, args, moe_layers: list[bool]) -> None:
     if not all(moe_layers) and family.dense_mlp is None:
         raise ConvertError(f"the checkpoint's moe_layer_freq={args.moe_layer_freq!r} builds dense "
                            f"layers, which {family.architecture} does not have")
+    balancing = ("aux_loss", "none", *(("seq_aux_loss",) if family.seq_aux_key else ()))
     if _single(args.moe_router_load_balancing_type, "moe_router_load_balancing_type") not in (
-            "aux_loss", "none"):
+            balancing):
         raise ConvertError(f"the checkpoint's moe_router_load_balancing_type="
                            f"{args.moe_router_load_balancing_type!r} has no Hugging Face mapping")
 
@@ -216,6 +219,9 @@ def hf_config_kwargs(family: Family, args, dtype: str, moe_layers: list[bool]) -
     aux_loss = {}
     if family.aux_loss_key:
         aux_loss[family.aux_loss_key] = _single(args.moe_aux_loss_coeff, "moe_aux_loss_coeff")
+    if family.seq_aux_key:
+        aux_loss[family.seq_aux_key] = _single(
+            args.moe_router_load_balancing_type, "moe_router_load_balancing_type") == "seq_aux_loss"
     return {
         "architectures": [family.architecture], "dtype": dtype,
         "vocab_size": vocab_size(args), "hidden_size": args.hidden_size,

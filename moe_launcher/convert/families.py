@@ -41,8 +41,11 @@ class Family:
     shared_expert: tuple[str, str, str] | None = None
     shared_expert_gate: str | None = None
     expert_bias: str | None = None
-    # The config key of the load-balancing loss's coefficient (None: the family has none).
+    # The config key of the load-balancing loss's coefficient (None, or a config without it: the
+    # family balances without one), and the config key that makes it sequence-level (DeepSeek's
+    # seq_aux: megatron's seq_aux_loss), if the family has one.
     aux_loss_key: str | None = "router_aux_loss_coef"
+    seq_aux_key: str | None = None
     # Saved megatron args the family maps beyond those its tensors above imply (`mapped_args`).
     maps_args: frozenset = frozenset()
     # The attention: "gqa" (q, k, v projections, grouped query heads) or "mla" (DeepSeek's
@@ -153,7 +156,9 @@ def _glm4_moe_flags(config) -> list[str]:
     return _sigmoid_router_flags(config) + (["--add-qkv-bias"] if config.attention_bias else [])
 
 
-def _sigmoid_router_config(args, dense_layers: list[int]) -> dict:
+def _leading_dense_shared_expert_config(args, dense_layers: list[int]) -> dict:
+    """GLM-4.5's and DeepSeek's layers: leading dense layers, routed experts and shared experts
+    of n_shared_experts expert widths."""
     if dense_layers != list(range(len(dense_layers))):
         raise ConvertError(f"the checkpoint's dense layers {dense_layers} are not its first "
                            "layers: the family's dense layers are (first_k_dense_replace)")
@@ -163,11 +168,15 @@ def _sigmoid_router_config(args, dense_layers: list[int]) -> dict:
                            f"multiple of moe_ffn_hidden_size={width} (the n_shared_experts)")
     return {"n_routed_experts": args.num_experts, "moe_intermediate_size": width,
             "intermediate_size": args.ffn_hidden_size, "n_shared_experts": shared // width,
-            "norm_topk_prob": args.moe_router_topk > 1,
             "routed_scaling_factor": args.moe_router_topk_scaling_factor or 1.0,
+            "first_k_dense_replace": len(dense_layers)}
+
+
+def _sigmoid_router_config(args, dense_layers: list[int]) -> dict:
+    return {**_leading_dense_shared_expert_config(args, dense_layers),
+            "norm_topk_prob": args.moe_router_topk > 1,
             "n_group": args.moe_router_num_groups or 1,
             "topk_group": args.moe_router_group_topk or 1,
-            "first_k_dense_replace": len(dense_layers),
             # the converter maps no multi-token-prediction layer (transformers' model has none)
             "num_nextn_predict_layers": 0}
 
@@ -202,17 +211,57 @@ def _deepseek_rope(args) -> dict:
     return rope
 
 
-def _deepseek_v3_config(args, dense_layers: list[int]) -> dict:
+def _multi_latent_attention_config(args) -> dict:
     if not args.qk_layernorm:
-        raise ConvertError("the checkpoint's qk_layernorm=False: DeepseekV3ForCausalLM "
-                           "normalises the compressed q and kv (--qk-layernorm)")
-    return {**_sigmoid_router_config(args, dense_layers), "rope_interleave": True,
-            "q_lora_rank": args.q_lora_rank, "kv_lora_rank": args.kv_lora_rank,
+        raise ConvertError("the checkpoint's qk_layernorm=False: DeepSeek's attention normalises "
+                           "the compressed q and kv (--qk-layernorm)")
+    return {"q_lora_rank": args.q_lora_rank, "kv_lora_rank": args.kv_lora_rank,
             "qk_nope_head_dim": args.qk_head_dim, "qk_rope_head_dim": args.qk_pos_emb_head_dim,
             "v_head_dim": args.v_head_dim, "head_dim": args.qk_pos_emb_head_dim,
             "rope_parameters": _deepseek_rope(args),
             # every head has its own keys and values (expanded from the one compressed kv)
             "num_key_value_heads": args.num_attention_heads}
+
+
+def _deepseek_v3_config(args, dense_layers: list[int]) -> dict:
+    return {**_sigmoid_router_config(args, dense_layers), **_multi_latent_attention_config(args),
+            "rope_interleave": True}
+
+
+def _deepseek_v2_flags(config) -> list[str]:
+    """DeepSeek-V2's MoE layers: the softmax over every expert, its top-k unrenormalised
+    (transformers' router ignores norm_topk_prob) and scaled, gateless shared experts."""
+    top_k = config.num_experts_per_tok
+    refuse_if(config.n_shared_experts < 1, "n_shared_experts", config.n_shared_experts,
+              "the family's MoE layers have a shared expert")
+    flags = ["--ffn-hidden-size", str(config.intermediate_size),
+             "--moe-shared-expert-intermediate-size",
+             str(config.moe_intermediate_size * config.n_shared_experts),
+             "--moe-router-pre-softmax", "--moe-router-dtype", "fp32"]
+    if config.routed_scaling_factor != 1.0:
+        flags += ["--moe-router-topk-scaling-factor", repr(float(config.routed_scaling_factor))]
+    if config.topk_method == "group_limited_greedy":
+        # transformers ranks a group by its best score; megatron by the sum of its top
+        # (top-k / groups chosen)
+        refuse_if(top_k // config.topk_group != 1, "topk_group", config.topk_group,
+                  f"megatron ranks groups by their top {top_k // config.topk_group} scores "
+                  "(num_experts_per_tok // topk_group), transformers' model by its best one")
+        return flags + ["--moe-router-num-groups", str(config.n_group),
+                        "--moe-router-group-topk", str(config.topk_group)]
+    refuse_if(config.topk_method != "greedy", "topk_method", config.topk_method,
+              "the family's routers are greedy or group_limited_greedy")
+    return flags
+
+
+def _deepseek_v2_config(args, dense_layers: list[int]) -> dict:
+    if not args.moe_router_pre_softmax:
+        raise ConvertError("the checkpoint's moe_router_pre_softmax=False: megatron then "
+                           "renormalises the top-k, DeepseekV2ForCausalLM does not")
+    groups = args.moe_router_num_groups
+    return {**_leading_dense_shared_expert_config(args, dense_layers),
+            **_multi_latent_attention_config(args), "norm_topk_prob": False,
+            "topk_method": "group_limited_greedy" if groups else "greedy",
+            "n_group": groups, "topk_group": args.moe_router_group_topk}
 
 
 def _mixtral_flags(config) -> list[str]:
@@ -296,6 +345,21 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            ignored_layers=_mtp_layers,
            ignored_layers_are="multi-token-prediction layers, which transformers' "
                               "DeepseekV3ForCausalLM ignores too"),
+    Family(architecture="DeepseekV2ForCausalLM", config_class="DeepseekV2Config",
+           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
+           qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
+           experts_key="n_routed_experts", flags=_deepseek_v2_flags,
+           config_keys=_deepseek_v2_config,
+           marks={"multi_latent_attention": True, "moe_router_score_function": "softmax",
+                  "moe_shared_expert_gate": False},
+           shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS,
+           # (DeepSeek's own config.json keys, which transformers' config keeps as they are)
+           aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux",
+           maps_args=frozenset({"moe_router_topk_scaling_factor", "moe_router_num_groups",
+                                "multi_latent_attention"}),
+           attention="mla",
+           moe_layers=_leading_dense_layers,
+           dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
            router="block_sparse_moe.gate.weight",
            expert_projections=("block_sparse_moe.experts.{e}.w1.weight",
@@ -313,8 +377,6 @@ REFUSED: dict[str, str] = {
     "OlmoeForCausalLM": "OLMoE normalises q and k over the whole projection (one RMSNorm of "
                         "num_heads*head_dim), megatron's --qk-layernorm normalises each head "
                         "(head_dim): the forward would differ",
-    "DeepseekV2ForCausalLM": "DeepSeek-V2's softmax router (topk_method) and complex-form rope "
-                             "are not mapped yet (DeepseekV3ForCausalLM is)",
 }
 
 

@@ -117,6 +117,34 @@ def _deepseek_v3_yarn():
     return _deepseek_v3(rope_parameters=dict(YARN))
 
 
+def _deepseek_v2_lite():
+    from transformers import DeepseekV2Config
+
+    # DeepSeek-V2-Lite's layout: multi-latent attention with q in one projection, a dense first
+    # layer, the softmax over every expert with its top-k neither renormalised nor scaled, two
+    # experts' width of shared expert, its published yarn rope and sequence-level aux loss
+    # (config.json keys transformers keeps as they are).
+    return DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, topk_method="greedy",
+        first_k_dense_replace=1, max_position_embeddings=64, rope_parameters=dict(YARN),
+        aux_loss_alpha=0.001, seq_aux=True)
+
+
+def _deepseek_v2_groups():
+    # DeepSeek-V2's group-limited routing where megatron ranks groups as transformers does
+    # (top-4 of 2 groups chosen among 4, a group ranked by its best score: 4 // 4 = 1 expert a
+    # group), q through its rank and norm, scaled routing, plain rope
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**{**_deepseek_v2_lite().to_dict(), "q_lora_rank": 24,
+                               "num_experts_per_tok": 4, "topk_method": "group_limited_greedy",
+                               "n_group": 4, "topk_group": 4, "routed_scaling_factor": 2.0,
+                               "rope_parameters": None})
+
+
 def _qwen3_moe_tied():
     config = _qwen3_moe()
     config.tie_word_embeddings = True
@@ -132,7 +160,8 @@ def _qwen3_moe_tied_bf16():
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
             "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step,
             "glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3,
-            "deepseek_v3_q_proj": _deepseek_v3_q_proj, "deepseek_v3_yarn": _deepseek_v3_yarn}
+            "deepseek_v3_q_proj": _deepseek_v3_q_proj, "deepseek_v3_yarn": _deepseek_v3_yarn,
+            "deepseek_v2_lite": _deepseek_v2_lite, "deepseek_v2_groups": _deepseek_v2_groups}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -320,14 +349,22 @@ def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
 
 # GLM-4.5-Air's architecture keys as its config.json (zai-org/GLM-4.5-Air) states them, in
 # transformers' older spelling (rope_theta and partial_rotary_factor at the top level); the
-# glm45_air recipes are checked against the same file.
-GLM45_AIR = REPO / "tests" / "examples" / "published_configs" / "glm45_air.json"
+# The published configs the recipes are checked against (tests/examples/test_recipes.py).
+PUBLISHED = REPO / "tests" / "examples" / "published_configs"
 
 
-def test_glm45_air_builds_with_transformers_parameter_count(tmp_path, monkeypatch):
-    """GLM-4.5-Air at full size: import-hf's flags pass pretrain_moe.py's checks and megatron
-    builds (on the meta device) exactly as many parameters as transformers' Glm4MoeForCausalLM
-    of the same config, the published 106B (the multi-token-prediction layer left out by
+@pytest.mark.parametrize("published, architecture, billions, flag", [
+    # GLM-4.5-Air: rope on half of each head, q/k/v biases; the published 106B
+    ("glm45_air", "Glm4MoeForCausalLM", 106, "--add-qkv-bias"),
+    # DeepSeek-V2-Lite: multi-latent attention with q in one projection, its yarn; 15.7B
+    ("deepseek_v2_lite", "DeepseekV2ForCausalLM", 15.7, "--multi-latent-attention"),
+])
+def test_published_config_builds_with_transformers_parameter_count(published, architecture,
+                                                                   billions, flag, tmp_path,
+                                                                   monkeypatch):
+    """A published config at full size: import-hf's flags pass pretrain_moe.py's checks and
+    megatron builds (on the meta device) exactly as many parameters as transformers' model of
+    the same config, the published count (GLM's multi-token-prediction layer left out by
     both)."""
     from transformers import AutoModelForCausalLM
 
@@ -336,11 +373,11 @@ def test_glm45_air_builds_with_transformers_parameter_count(tmp_path, monkeypatc
     from moe_launcher.convert.families import family_of_architecture
     from moe_launcher.convert.import_hf import hf_config
 
-    shutil.copy(GLM45_AIR, tmp_path / "config.json")
-    family = family_of_architecture(["Glm4MoeForCausalLM"])
+    shutil.copy(PUBLISHED / f"{published}.json", tmp_path / "config.json")
+    family = family_of_architecture([architecture])
     config = hf_config(family, str(tmp_path))
     flags = megatron_flags(family, config)
-    assert flags[flags.index("--rotary-percent") + 1] == "0.5" and "--add-qkv-bias" in flags
+    assert flag in flags
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
     megatron_side.start()
     _, model_config = megatron_side.args_of_flags(flags, 4096)
@@ -349,7 +386,7 @@ def test_glm45_air_builds_with_transformers_parameter_count(tmp_path, monkeypatc
         transformers_count = sum(p.numel() for p in
                                  AutoModelForCausalLM.from_config(config).parameters())
     assert megatron_count == transformers_count
-    assert abs(megatron_count / 106e9 - 1) < 0.01, megatron_count
+    assert abs(megatron_count / (billions * 1e9) - 1) < 0.01, megatron_count
 
 
 def test_bf16_glm_keeps_its_fp32_expert_bias_bit_identical(tmp_path):
@@ -1250,8 +1287,6 @@ def _with_config(source: Path, target: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes, named", [
     ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM is not supported"),
     ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "whole projection"),
-    ({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"},
-     "not mapped yet"),
     ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
      "rope_type"),
