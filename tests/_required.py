@@ -19,3 +19,16 @@ def require(present: bool, missing: str, *, enforced_by: str = "") -> None:
     if os.environ.get("CI") == "true" or (enforced_by and os.environ.get(enforced_by) == "1"):
         pytest.fail(missing, pytrace=False)
     pytest.skip(missing)
+
+
+def transformer_engine_missing() -> str | None:
+    """Why a GPU test of Transformer Engine's spec cannot run here (None: it can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as error:  # a TE built for another torch fails in many ways
+        return f"needs Transformer Engine ({type(error).__name__})"
+    return None

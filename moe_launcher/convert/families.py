@@ -291,6 +291,18 @@ def _mtp_layers(config) -> range:
     return range(config.num_hidden_layers,
                  config.num_hidden_layers + config.num_nextn_predict_layers)
 
+# GLM-4.5's and DeepSeek's layers: leading dense layers, then MoE layers of routed experts and
+# gateless shared experts.
+_LEADING_DENSE_SHARED_EXPERT_LAYERS = dict(
+    router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
+    expert_width_key="moe_intermediate_size", experts_key="n_routed_experts",
+    shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS, moe_layers=_leading_dense_layers,
+    dense_mlp=_GATE_UP_DOWN_MLP)
+# GLM-4.5's and DeepSeek-V3's router (score-correction bias, no load-balancing loss) and their
+# multi-token-prediction layers.
+_SIGMOID_ROUTER_MTP = dict(expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
+                           ignored_layers=_mtp_layers)
+
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     Family(architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",
            router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
@@ -313,53 +325,36 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            moe_layers=_qwen_moe_layers,
            dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
-           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
-           qk_norm=lambda config: config.use_qk_norm, expert_width_key="moe_intermediate_size",
-           experts_key="n_routed_experts", flags=_glm4_moe_flags, config_keys=_glm4_moe_config,
+           **_LEADING_DENSE_SHARED_EXPERT_LAYERS, **_SIGMOID_ROUTER_MTP,
+           qk_norm=lambda config: config.use_qk_norm,
+           flags=_glm4_moe_flags, config_keys=_glm4_moe_config,
            marks={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                   "moe_shared_expert_gate": False, "multi_latent_attention": False},
            qkv_bias_key="attention_bias",
-           shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS,
-           expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
            maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
                                 "moe_router_num_groups", "rotary_percent"}),
-           moe_layers=_leading_dense_layers,
-           dense_mlp=_GATE_UP_DOWN_MLP,
-           ignored_layers=_mtp_layers,
            ignored_layers_are="multi-token-prediction layers, which transformers' "
                               "Glm4MoeForCausalLM ignores too"),
     Family(architecture="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
-           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
-           qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
-           experts_key="n_routed_experts", flags=_deepseek_v3_flags,
-           config_keys=_deepseek_v3_config,
+           **_LEADING_DENSE_SHARED_EXPERT_LAYERS, **_SIGMOID_ROUTER_MTP,
+           qk_norm=lambda config: False, attention="mla",
+           flags=_deepseek_v3_flags, config_keys=_deepseek_v3_config,
            marks={"multi_latent_attention": True, "moe_router_score_function": "sigmoid",
                   "moe_router_enable_expert_bias": True, "moe_shared_expert_gate": False},
-           shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS,
-           expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
            maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
                                 "moe_router_num_groups", "multi_latent_attention"}),
-           attention="mla",
-           moe_layers=_leading_dense_layers,
-           dense_mlp=_GATE_UP_DOWN_MLP,
-           ignored_layers=_mtp_layers,
            ignored_layers_are="multi-token-prediction layers, which transformers' "
                               "DeepseekV3ForCausalLM ignores too"),
     Family(architecture="DeepseekV2ForCausalLM", config_class="DeepseekV2Config",
-           router="mlp.gate.weight", expert_projections=_GATE_UP_DOWN_EXPERTS,
-           qk_norm=lambda config: False, expert_width_key="moe_intermediate_size",
-           experts_key="n_routed_experts", flags=_deepseek_v2_flags,
-           config_keys=_deepseek_v2_config,
+           **_LEADING_DENSE_SHARED_EXPERT_LAYERS,
+           qk_norm=lambda config: False, attention="mla",
+           flags=_deepseek_v2_flags, config_keys=_deepseek_v2_config,
            marks={"multi_latent_attention": True, "moe_router_score_function": "softmax",
                   "moe_shared_expert_gate": False},
-           shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS,
            # (DeepSeek's own config.json keys, which transformers' config keeps as they are)
            aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux",
            maps_args=frozenset({"moe_router_topk_scaling_factor", "moe_router_num_groups",
-                                "multi_latent_attention"}),
-           attention="mla",
-           moe_layers=_leading_dense_layers,
-           dense_mlp=_GATE_UP_DOWN_MLP),
+                                "multi_latent_attention"})),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",
            router="block_sparse_moe.gate.weight",
            expert_projections=("block_sparse_moe.experts.{e}.w1.weight",

@@ -9,9 +9,9 @@ Transformer Engine (GPU only) fuses a norm into linear_q_proj that the patch lea
 from __future__ import annotations
 
 import pytest
-import torch
 
 import _megatron_cpu as cpu
+from _required import transformer_engine_missing
 
 NAME = "mla-q-projection-without-norm"
 RANK_LESS_Q = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=16,
@@ -39,19 +39,9 @@ def test_a_rank_less_q_has_no_norm_and_megatrons_resolver_refuses_it(monkeypatch
     assert "self_attention.q_layernorm.weight" in _norms(cpu.build_gpt(with_rank, seq_length=16))
 
 
-def _transformer_engine_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as error:  # a TE built for another torch fails in many ways
-        return f"needs Transformer Engine ({type(error).__name__})"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_transformer_engine_missing() is not None,
-                    reason=_transformer_engine_missing() or "")
+@pytest.mark.skipif(transformer_engine_missing() is not None,
+                    reason=transformer_engine_missing() or "")
 def test_transformer_engine_rank_less_q_has_no_fused_norm(monkeypatch):
     """The silent half: megatron's TE spec builds linear_q_proj as a fused norm+linear (a
     `layer_norm_weight` DeepSeek-V2-Lite does not have); patched, a plain linear."""

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from _required import transformer_engine_missing
+
 REPO = Path(__file__).resolve().parents[3]
 PATCH = "moe-norm-checkpoint-key"
 
@@ -85,19 +87,9 @@ def test_an_import_holds_the_transformer_engine_specs_weight_keys(qwen3_moe_fold
                                               "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
 
 
-def _transformer_engine_missing() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs CUDA"
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as error:  # a TE built for another torch fails in many ways
-        return f"needs Transformer Engine ({type(error).__name__})"
-    return None
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_transformer_engine_missing() is not None,
-                    reason=_transformer_engine_missing() or "")
+@pytest.mark.skipif(transformer_engine_missing() is not None,
+                    reason=transformer_engine_missing() or "")
 def test_the_transformer_engine_spec_loads_an_import(qwen3_moe_folder, tmp_path):
     """The import loads into megatron's TE-spec GPTModel (the GPU recipes' model) and gives the
     local-spec model's logits."""
