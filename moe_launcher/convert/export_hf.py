@@ -43,10 +43,19 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
     config_class = getattr(transformers, family.config_class)
     source_config = config_class(**source)
     known = source_config.to_dict()
+    # the family's load-balancing keys are training settings too (DeepSeek's aux_loss_alpha)
+    training = _TRAINING_KEYS | {family.aux_loss_key, family.seq_aux_key}
     for key, value in derived.items():
         # (None: a key the config leaves to its modelling code, e.g. Mixtral's head_dim)
-        if key not in _TRAINING_KEYS | _LAYER_KEYS and known.get(key) is not None \
-                and known[key] != value:
+        if key in training | _LAYER_KEYS or known.get(key) is None:
+            continue
+        # (a dict by the keys export writes: a published rope_scaling also keeps its legacy
+        # "type")
+        if isinstance(value, dict) and isinstance(known[key], dict):
+            same = all(known[key].get(name) == part for name, part in value.items())
+        else:
+            same = known[key] == value
+        if not same:
             raise ConvertError(f"--config-from {config_from} sets {key}={known[key]!r}, but the "
                                f"checkpoint's model has {value!r}: it is another model's config")
     # The same layers may be named otherwise (Qwen's decoder_sparse_step or mlp_only_layers).

@@ -261,7 +261,8 @@ def _deepseek_v2_config(args, dense_layers: list[int]) -> dict:
     return {**_leading_dense_shared_expert_config(args, dense_layers),
             **_multi_latent_attention_config(args), "norm_topk_prob": False,
             "topk_method": "group_limited_greedy" if groups else "greedy",
-            "n_group": groups, "topk_group": args.moe_router_group_topk}
+            # (one group, all of it chosen: what DeepSeek-V2-Lite's config says for greedy)
+            "n_group": groups or 1, "topk_group": args.moe_router_group_topk or 1}
 
 
 def _mixtral_flags(config) -> list[str]:
@@ -290,6 +291,7 @@ def _mtp_layers(config) -> range:
     their checkpoints."""
     return range(config.num_hidden_layers,
                  config.num_hidden_layers + config.num_nextn_predict_layers)
+
 
 # GLM-4.5's and DeepSeek's layers: leading dense layers, then MoE layers of routed experts and
 # gateless shared experts.

@@ -129,7 +129,7 @@ def _deepseek_v2_lite():
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
         n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, topk_method="greedy",
-        first_k_dense_replace=1, max_position_embeddings=64, rope_parameters=dict(YARN),
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64, rope_parameters=dict(YARN),
         aux_loss_alpha=0.001, seq_aux=True)
 
 
@@ -454,6 +454,24 @@ def test_export_keeps_the_source_models_token_ids_and_generation_config(family_c
     (tmp_path / "refused").mkdir()
     line = refused(capsys, tmp_path / "refused", "export-hf", ckpt, "--config-from", other)
     assert "sets num_hidden_layers=3, but the checkpoint's model has 2" in line, line
+
+
+def test_config_from_accepts_a_published_deepseek_config_of_the_model(family_conversions,
+                                                                     tmp_path):
+    """A DeepSeek-V2-Lite config.json as published (its yarn as legacy `rope_scaling` with
+    `type`, another aux-loss coefficient: a training setting) describes the imported model:
+    accepted, its token ids kept."""
+    _, hf_dir, ckpt, _ = family_conversions("deepseek_v2_lite")
+    source = shutil.copytree(hf_dir, tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rope_scaling={**{key: value for key, value in rope.items()
+                                   if key not in ("rope_type", "rope_theta")}, "type": "yarn"},
+                  rope_theta=rope["rope_theta"], aux_loss_alpha=0.002, bos_token_id=7)
+    (source / "config.json").write_text(json.dumps(config))
+    convert("export-hf", ckpt, tmp_path / "out", "--config-from", source)
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["bos_token_id"] == 7 and exported["aux_loss_alpha"] == 0.001
 
 
 def test_config_from_compares_the_layers_that_are_moe_layers(family_conversions, tmp_path,
