@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
+
 from megatron_patches.registry import Patch, register
 
 NAME = "mla-shared-rope-key-gradient"
@@ -39,6 +41,8 @@ def _mla():
 
 
 def _not_needed_because(context):
+    # (read from megatron's own code: the gradient shows only at TP > 1, which a process
+    # deciding its patches alone cannot run)
     mla = _mla()
     source = inspect.getsource(mla.MLASelfAttention.get_query_key_value_tensors)
     if "gather_from_tensor_model_parallel_region(kv_combined" not in source:
@@ -70,7 +74,6 @@ def _summing_rope_key_gradient(gather):
         if shared is None:
             return output
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-        import torch
 
         rope_width, tp_group = shared
         compressed, rope_key = output.split([output.size(-1) - rope_width, rope_width], dim=-1)

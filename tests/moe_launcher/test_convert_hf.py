@@ -101,20 +101,11 @@ def _deepseek_v3(**keys):
         num_nextn_predict_layers=0), **keys})
 
 
-def _deepseek_v3_q_proj():
-    # q in one projection (q_lora_rank None, as DeepSeek-V2-Lite): megatron's linear_q_proj
-    return _deepseek_v3(q_lora_rank=None)
-
-
 # DeepSeek-V2-Lite's published yarn (factor 40 over 4096 positions, both mscales 0.707): the
 # rope head's low frequencies interpolated, the softmax scaled by mscale(40, 0.707)^2
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
         "mscale": 0.707, "mscale_all_dim": 0.707}
-
-
-def _deepseek_v3_yarn():
-    return _deepseek_v3(rope_parameters=dict(YARN))
 
 
 def _deepseek_v2_lite():
@@ -129,8 +120,8 @@ def _deepseek_v2_lite():
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
         n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, topk_method="greedy",
-        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64, rope_parameters=dict(YARN),
-        aux_loss_alpha=0.001, seq_aux=True)
+        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64,
+        rope_parameters=dict(YARN), aux_loss_alpha=0.001, seq_aux=True)
 
 
 def _deepseek_v2_groups():
@@ -160,7 +151,6 @@ def _qwen3_moe_tied_bf16():
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
             "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step,
             "glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3,
-            "deepseek_v3_q_proj": _deepseek_v3_q_proj, "deepseek_v3_yarn": _deepseek_v3_yarn,
             "deepseek_v2_lite": _deepseek_v2_lite, "deepseek_v2_groups": _deepseek_v2_groups}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
@@ -1051,7 +1041,7 @@ def test_sigmoid_router_with_expert_bias_trains_as_transformers_does(family, dis
     _, hf_dir, ckpt, _ = family_conversions(family)
     corpus = str(tmp_path / "corpus_text_document")
     _random_corpus(corpus, seed=9)
-    steps, lr = 3, 1e-3
+    steps, lr = (1 if disabled else 3), 1e-3
     launched = _launched_steps(ckpt, corpus, tmp_path / "run",
                                [*TP2_SP_EP2, "--micro-batch-size", "1",
                                 "--moe-router-bias-update-rate", "0"],
@@ -1060,9 +1050,9 @@ def test_sigmoid_router_with_expert_bias_trains_as_transformers_does(family, dis
     batches = _megatron_batches(corpus, steps, 2)
     reference = _transformers_steps(hf_dir, batches, lr)
     differences = _differences(launched, reference)
-    if disabled:
-        assert any(line.startswith("iteration 1: launcher's grad-norm") for line in differences)
-        assert not any("iteration 1: launcher's lm loss" in line for line in differences)
+    if disabled:  # the same first loss, another first gradient
+        assert differences == [line for line in differences
+                               if line.startswith("iteration 1: launcher's grad-norm")] != []
         return
     assert not differences, differences
     assert _moved_by_training(launched, hf_dir, batches)

@@ -1,7 +1,7 @@
 """Patch mla-q-projection-without-norm (NVIDIA-NeMo/Megatron-Bridge#5261): multi-latent attention
 without a query rank and with --qk-layernorm (DeepSeek-V2-Lite's attention) projects q from the
-layer's input with no norm of its own. The reference is transformers' DeepseekV3ForCausalLM with
-q_lora_rank None: tests/moe_launcher/test_convert_hf.py (family `deepseek_v3_q_proj`) imports it
+layer's input with no norm of its own. The reference is transformers' DeepseekV2ForCausalLM with
+q_lora_rank None: tests/moe_launcher/test_convert_hf.py (family `deepseek_v2_lite`) imports it
 and gets its logits. Here: megatron's own resolver on the local spec refuses the layer, and under
 Transformer Engine (GPU only) fuses a norm into linear_q_proj that the patch leaves out.
 """
