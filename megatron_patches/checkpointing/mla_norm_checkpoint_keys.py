@@ -20,13 +20,10 @@ Upstream: the same class of mismatch as NVIDIA/Megatron-LM PR #6270 (the MoE pre
 moe-norm-checkpoint-key); the MLA norms are not reported there. Targets megatron-core 0.19.x.
 """
 
-import dataclasses
-import functools
-import inspect
-
 from megatron.core.models.gpt import gpt_layer_specs
 
-from megatron_patches.registry import Patch, register, wrapped_by
+from megatron_patches.checkpointing.local_spec_keys_map import wrap_keys_map
+from megatron_patches.registry import Patch, register
 
 PATCH_NAME = "mla-norm-checkpoint-keys"
 # local-spec prefix -> Transformer Engine's, within a layer
@@ -51,24 +48,14 @@ def _not_needed_because(context):
     return None
 
 
+def _with_te_norm_keys(arguments: dict, keys_map: dict) -> dict:
+    if not arguments.get("multi_latent_attention"):
+        return keys_map
+    return {**keys_map, **_wanted(arguments.get("num_experts"))}
+
+
 def _apply():
-    build = gpt_layer_specs.get_gpt_layer_local_submodules
-    if wrapped_by(build, PATCH_NAME):
-        return
-    signature = inspect.signature(build)
-
-    @functools.wraps(build)
-    def local_submodules(*args, **kwargs):
-        submodules = build(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        if not bound.arguments.get("multi_latent_attention"):
-            return submodules
-        keys_map = {**(submodules.sharded_state_dict_keys_map or {}),
-                    **_wanted(bound.arguments.get("num_experts"))}
-        return dataclasses.replace(submodules, sharded_state_dict_keys_map=keys_map)
-
-    local_submodules.__wrapped_by__ = PATCH_NAME
-    gpt_layer_specs.get_gpt_layer_local_submodules = local_submodules
+    wrap_keys_map(PATCH_NAME, _with_te_norm_keys)
 
 
 PATCH = register(Patch(

@@ -21,13 +21,10 @@ Targets megatron-core 0.19.x, whose local spec is built by get_gpt_layer_local_s
 (0.15.x's get_gpt_layer_local_spec maps the same way; this patch is not written for it).
 """
 
-import dataclasses
-import functools
-import inspect
-
 from megatron.core.models.gpt import gpt_layer_specs
 
-from megatron_patches.registry import Patch, register, wrapped_by
+from megatron_patches.checkpointing.local_spec_keys_map import wrap_keys_map
+from megatron_patches.registry import Patch, register
 
 PATCH_NAME = "moe-norm-checkpoint-key"
 MLP_NORM_PREFIX = "pre_mlp_layernorm."
@@ -42,24 +39,14 @@ def _not_needed_because(context):
     return None
 
 
+def _without_moe_mlp_norm(arguments: dict, keys_map: dict) -> dict:
+    if not arguments.get("num_experts"):
+        return keys_map
+    return {prefix: key for prefix, key in keys_map.items() if prefix != MLP_NORM_PREFIX}
+
+
 def _apply():
-    build = gpt_layer_specs.get_gpt_layer_local_submodules
-    if wrapped_by(build, PATCH_NAME):
-        return
-    signature = inspect.signature(build)
-
-    @functools.wraps(build)
-    def local_submodules(*args, **kwargs):
-        submodules = build(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        keys_map = submodules.sharded_state_dict_keys_map or {}
-        if not bound.arguments.get("num_experts") or MLP_NORM_PREFIX not in keys_map:
-            return submodules
-        return dataclasses.replace(submodules, sharded_state_dict_keys_map={
-            prefix: key for prefix, key in keys_map.items() if prefix != MLP_NORM_PREFIX})
-
-    local_submodules.__wrapped_by__ = PATCH_NAME
-    gpt_layer_specs.get_gpt_layer_local_submodules = local_submodules
+    wrap_keys_map(PATCH_NAME, _without_moe_mlp_norm)
 
 
 PATCH = register(Patch(
