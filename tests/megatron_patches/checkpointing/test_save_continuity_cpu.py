@@ -1,7 +1,7 @@
 """A fresh run into a --save that holds another run's checkpoints (issue 47), under torchrun as
 users launch it: refused on every rank before any work, the other run's bytes untouched; the
 opt-in to start over and a deliberate rollback move what they would replace aside, byte for byte,
-and train. (megatron-core alone replaces the other run's iterations and moves its tracker back,
+and train (forked ranks: what they judge is the command line and the folder, not the launch). (megatron-core alone replaces the other run's iterations and moves its tracker back,
 rc 0, without a word: the reproduction in the issue.) The command-line cases are judged in-process
 in tests/moe_launcher/checkpoint_files/test_save_continuity.py.
 """
@@ -67,7 +67,7 @@ def test_a_fresh_run_is_refused_on_every_rank_and_the_saved_run_keeps_its_bytes(
 def test_starting_over_keeps_the_saved_run_aside_and_trains(saved):
     save, before = saved
     run = launch(2, [*ARGS, "--train-iters", "2", "--seed", "99", "--save", str(save)],
-                 env={START_OVER_ENV: "1"}, torchrun=True, timeout=300).check()
+                 env={START_OVER_ENV: "1"}, timeout=300).check()
     aside = set_aside(save)
     assert files(aside) == before  # the tracker (4) and both iterations, byte for byte
     assert f"moved iter_0000002, iter_0000004 aside into {aside}" in run.log, run.log[-3000:]
@@ -78,7 +78,7 @@ def test_starting_over_keeps_the_saved_run_aside_and_trains(saved):
 def test_a_rollback_keeps_the_later_iteration_aside_and_resumes_from_its_step(saved):
     save, before = saved
     run = launch(2, [*ARGS, "--train-iters", "4", "--save", str(save), "--load", str(save),
-                     "--ckpt-step", "2"], torchrun=True, timeout=300).check()
+                     "--ckpt-step", "2"], timeout=300).check()
     aside = set_aside(save)
     kept = files(aside)
     assert kept.pop(TRACKER) == b"4"
@@ -101,7 +101,7 @@ def test_a_resume_and_a_fine_tune_elsewhere_go_on_and_touch_none_of_the_saved_fi
     save, before = saved
     run = launch(2, [*ARGS, "--train-iters", "8", "--override-opt_param-scheduler",
                      "--save-retain-interval", "4", "--save", str(save), "--load", str(save)],
-                 torchrun=True, timeout=300).check()
+                 timeout=300).check()
     assert "at iteration 4" in run.log, run.log[-3000:]
     saved_iterations = {name: data for name, data in before.items() if name.startswith("iter_")}
     assert {name: files(save).get(name) for name in saved_iterations} == saved_iterations
@@ -109,11 +109,11 @@ def test_a_resume_and_a_fine_tune_elsewhere_go_on_and_touch_none_of_the_saved_fi
         "iter_0000002", "iter_0000004", "iter_0000008"]  # 6 was this run's, dropped at 8
     tuned = tmp_path / "tuned"
     launch(2, [*ARGS, "--train-iters", "2", "--finetune", "--load", str(save), "--ckpt-step",
-               "4", "--save", str(tuned)], torchrun=True, timeout=300).check()
+               "4", "--save", str(tuned)], timeout=300).check()
     assert (tuned / TRACKER).read_text() == "2" and not list(tuned.glob(SET_ASIDE_PREFIX + "*"))
     resumed = files(save)
     evaluation = launch(2, [*ARGS, "--train-iters", "2", "--skip-train", "--eval-iters", "1",
-                            "--load", str(tuned), "--save", str(save)], torchrun=True,
+                            "--load", str(tuned), "--save", str(save)],
                         timeout=300).check()
     assert re.search(r"validation loss at iteration 2 .*lm loss value", evaluation.log), \
         evaluation.log[-3000:]
