@@ -316,7 +316,7 @@ def test_unpatched_truncated_checkpoint_fails_mid_load_naming_nothing(good_check
     save = tmp_path / "ckpt"
     shutil.copytree(good_checkpoint, save)
     _truncate(save)
-    run = launch(2, resume_args(save), timeout=240, torchrun=True,
+    run = launch(2, resume_args(save), timeout=240,
                  env={"MEGATRON_PATCHES_DISABLE": "checkpoint-load-integrity"})
     (tmp_path / "run.log").write_text(run.log)
     assert "checkpoint-load-integrity: skipped (disabled by MEGATRON_PATCHES_DISABLE)" in run.log
