@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
+import io
 import json
 import os
 import re
@@ -276,12 +278,16 @@ class LiveRun:
 
 
 def audit_report(checkpoint: Path) -> dict:
-    """The checkpoint audit CLI's JSON report of `checkpoint` (the CLI must say complete)."""
-    done = subprocess.run([sys.executable, "-m", "megatron_patches.checkpoint_audit",
-                           str(checkpoint), "--json"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(done.stdout)
+    """The checkpoint audit's JSON report of `checkpoint` (it must say complete): the CLI's entry
+    point, `--json`, called in this process (a new Python would spend ~3 s importing torch; the
+    CLI itself runs in tests/moe_launcher/checkpoint_files/test_checkpoint_audit.py)."""
+    from moe_launcher.checkpoint_files.audit import EXIT_COMPLETE, main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main([str(checkpoint), "--json"])
+    assert status == EXIT_COMPLETE, printed.getvalue()[-3000:]
+    return json.loads(printed.getvalue())
 
 
 def tensorboard_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
