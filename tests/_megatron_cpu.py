@@ -6,8 +6,11 @@ Without CUDA they rely on the CPU backend, which tests/conftest.py activates bef
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
+import subprocess
+import sys
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -27,6 +30,21 @@ def environment_kept():
         for key in set(os.environ) - set(before):
             del os.environ[key]
         os.environ.update(before)
+
+
+def convert(*argv: str) -> subprocess.CompletedProcess:
+    """`python -m moe_launcher.convert ARGV` as its main() here (a process of its own spent ~6 s
+    importing megatron per conversion): exit status 0, its stdout and stderr."""
+    from moe_launcher.convert.__main__ import main
+
+    out, err, saved_argv = io.StringIO(), io.StringIO(), list(sys.argv)
+    try:
+        with environment_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(arg) for arg in argv])
+    finally:
+        sys.argv[:] = saved_argv  # megatron's parser replaces it
+    assert code == 0, f"convert {argv[0]} failed ({code}):\n{err.getvalue()[-4000:]}"
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def init_world() -> None:

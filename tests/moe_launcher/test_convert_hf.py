@@ -7,20 +7,19 @@ are undone.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+
+from _megatron_cpu import convert
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB, SEQ = 200, 16
@@ -174,23 +173,6 @@ def _randomise(model) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
-
-
-def convert(*argv: str) -> subprocess.CompletedProcess:
-    """`python -m moe_launcher.convert ARGV` as its main() here (a process of its own spent ~6 s
-    importing megatron per conversion): exit status 0, its stdout and stderr."""
-    from _megatron_cpu import environment_kept
-
-    from moe_launcher.convert.__main__ import main
-
-    out, err, saved_argv = io.StringIO(), io.StringIO(), list(sys.argv)
-    try:
-        with environment_kept(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(arg) for arg in argv])
-    finally:
-        sys.argv[:] = saved_argv  # megatron's parser replaces it
-    assert code == 0, f"convert {argv[0]} failed ({code}):\n{err.getvalue()[-4000:]}"
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:

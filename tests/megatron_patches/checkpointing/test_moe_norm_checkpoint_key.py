@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _megatron_cpu import convert
 from _required import transformer_engine_missing
 
 REPO = Path(__file__).resolve().parents[3]
@@ -45,11 +46,17 @@ TE_SPEC_WEIGHT_KEYS = {
 }
 
 
-def _import(hf: Path, out: Path, disable: str = "") -> Path:
+def _import(hf: Path, out: Path) -> Path:
+    convert("import-hf", hf, out)  # in this process, every patch applied
+    return out
+
+
+def _import_without_the_patch(hf: Path, out: Path) -> Path:
+    """import-hf in a process of its own, where MEGATRON_PATCHES_DISABLE leaves the patch out."""
     run = subprocess.run([sys.executable, "-m", "moe_launcher.convert", "import-hf", str(hf),
                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-                              "MEGATRON_PATCHES_DISABLE": disable})
+                              "MEGATRON_PATCHES_DISABLE": PATCH})
     assert run.returncode == 0, run.stderr[-3000:]
     return out
 
@@ -82,7 +89,7 @@ def test_an_import_holds_the_transformer_engine_specs_weight_keys(qwen3_moe_fold
     assert patched == TE_SPEC_WEIGHT_KEYS, (patched ^ TE_SPEC_WEIGHT_KEYS)
     # Without the patch the MoE layers' pre-MLP norm goes under the fused key of a dense TE
     # layer, which no TE MoE model asks for, and the key TE loads is absent.
-    unpatched = _weight_keys(_import(qwen3_moe_folder, tmp_path / "unpatched", disable=PATCH))
+    unpatched = _weight_keys(_import_without_the_patch(qwen3_moe_folder, tmp_path / "unpatched"))
     assert unpatched ^ TE_SPEC_WEIGHT_KEYS == {"decoder.layers.pre_mlp_layernorm.weight",
                                               "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
 
