@@ -204,6 +204,14 @@ def _backward_in_mode(mode: TorchFunctionMode, tensors, grad_tensors=None, retai
                              accumulate_grad=True)
 
 
+# The calls __torch_function__ treats otherwise than by its first branch, and the type of
+# `_SET_DATA` (a method-wrapper, compared by ==).
+_HANDLED = frozenset({torch.autograd.backward, torch.Tensor.backward, torch.Tensor.cuda,
+                      torch.Tensor.type, torch.Tensor.to, *_TO_HOST, *_HOST_FACTORIES,
+                      *RANDOM_OPS})
+_METHOD_WRAPPER = type(_SET_DATA)
+
+
 class CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while active; tags the
     tensors that would be host tensors on a GPU; draws the virtual device's random numbers
@@ -215,6 +223,16 @@ class CudaToCpu(TorchFunctionMode):
     and counts as on the device."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _HANDLED and not (kwargs and "device" in kwargs) \
+                and type(func) is not _METHOD_WRAPPER:
+            # Most calls (megatron's and torch's own ops inside a step, thousands a step): they
+            # name no device and draw no random numbers, so only the host tag can follow them.
+            result = func(*args, **kwargs) if kwargs else func(*args)
+            if (isinstance(result, torch.Tensor) or (type(result) in (tuple, list) and result
+                                                     and isinstance(result[0], torch.Tensor))) \
+                    and _inputs_all_host(args, kwargs or {}):
+                _mark_host(result)
+            return result
         kwargs = dict(kwargs or {})
         if func is torch.autograd.backward:
             return _backward_in_mode(self, *args, **kwargs)
@@ -228,7 +246,7 @@ class CudaToCpu(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # megatron asserts fp32 grads by comparing type names to 'torch.cuda.FloatTensor'.
             return _CUDA_TYPE_NAMES.get(args[0].dtype, func(*args))
-        if type(func) is type(_SET_DATA) and func == _SET_DATA:
+        if type(func) is _METHOD_WRAPPER and func == _SET_DATA:
             # `tensor.data = other`: the tensor is now where `other` is
             _forget_host(args[0])
             if is_host_tensor(args[1]):
