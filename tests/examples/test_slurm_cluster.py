@@ -353,8 +353,10 @@ cd "{views}/$SLURMD_NODENAME"
 exec {sys.executable} "$script" "$@"
 """)
     wrapper.chmod(0o755)
-    job = cluster.submit("node-local", "--nodes=2", "--ntasks-per-node=2", wait=True,
-                         CKPT_DIR="node-local-ckpt", PYTHON=str(wrapper),
+    # One rank a node (tiny_cpu's EP2 over two data-parallel replicas): the check is a node's.
+    job = cluster.submit("node-local", "--nodes=2", "--ntasks-per-node=1", wait=True,
+                         NODES="2", GPUS_PER_NODE="1", CKPT_DIR="node-local-ckpt",
+                         PYTHON=str(wrapper),
                          MEGATRON_PATCHES_SAVE_VISIBILITY_WAIT_S="2", **SHORT)
     log = job.log
     errors = [line for line in log.splitlines() if "pretrain_moe: error:" in line]
