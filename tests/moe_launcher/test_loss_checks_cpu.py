@@ -8,6 +8,7 @@ wherever it runs goes through megatron's whole recovery, over three jobs, to the
 it."""
 
 import re
+from typing import NamedTuple
 
 import pytest
 from megatron.core.rerun_state_machine import (
@@ -33,14 +34,46 @@ def test_a_nan_or_inf_loss_stops_the_run_with_megatrons_message(bad, name, tmp_p
 SPIKE_AT, SPIKE_ITERS = 28, 30
 
 
+EXPERT_BIAS = ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
+# megatron-core 0.19's quantile balancing: routing by a per-expert bias, no aux loss
+QUANTILE_BALANCING = ["--moe-router-load-balancing-type", "quantile_balancing",
+                      "--moe-aux-loss-coeff", "0"]
+SCALARS = ("lm loss", "load_balancing_loss", "expert_load/tokens_mean/layer_1")
+
+
+class SpikedRun(NamedTuple):
+    log: str
+    scalars: dict[str, dict[int, float]]  # tensorboard's, by tag
+
+
+@pytest.fixture(scope="module")
+def spiked_run(tmp_path_factory):
+    """TINY_MODEL with `router`'s flags for SPIKE_ITERS iterations, `spike` added to every token
+    loss at SPIKE_AT ("0": no spike, no rerun), the spiky-loss check on where `checked`. Each
+    run once a module: the spiky-loss test and the rerun test judge the same expert-bias run."""
+    runs: dict[tuple, SpikedRun] = {}
+
+    def run(spike: str, router: list[str], checked: bool = True,
+            env: dict | None = None) -> SpikedRun:
+        key = (spike, tuple(router), checked, tuple(sorted((env or {}).items())))
+        if key not in runs:
+            board = tmp_path_factory.mktemp("spiked")
+            flags = [*TINY_MODEL, "--train-iters", str(SPIKE_ITERS), "--tensorboard-dir",
+                     str(board), *(["--check-for-spiky-loss"] if checked else []), *router]
+            done = launch(1, flags, script=REPO / "tests" / "_bad_loss_entry.py",
+                          env={"BAD_LOSS": spike, "BAD_LOSS_AT": str(SPIKE_AT), **(env or {})})
+            runs[key] = SpikedRun(done.check().log,
+                                  {tag: tensorboard_scalars(board, tag) for tag in SCALARS})
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("checked", [True, False], ids=["check-for-spiky-loss", "unchecked"])
-def test_a_spiky_loss_is_flagged_and_rerun_and_training_goes_on(checked, tmp_path):
-    flags = [*TINY_MODEL, "--train-iters", str(SPIKE_ITERS), "--tensorboard-dir",
-             str(tmp_path / "tb"), *(["--check-for-spiky-loss"] if checked else [])]
+def test_a_spiky_loss_is_flagged_and_rerun_and_training_goes_on(checked, spiked_run):
     # +100 on every token loss (about 6 each): a loss sum ~17x the largest of the 100 before
-    run = launch(1, flags, script=REPO / "tests" / "_bad_loss_entry.py",
-                 env={"BAD_LOSS": "100", "BAD_LOSS_AT": str(SPIKE_AT)}).check()
+    run = spiked_run("100", EXPERT_BIAS, checked=checked)
     flagged = re.findall(r"Unexpected result .* at iteration #(\d+) .*\(message='Spiky loss'\)",
                          run.log)
     reproduced = "First rerun: unexpected result is reproducible within the tolerance" in run.log
@@ -50,35 +83,15 @@ def test_a_spiky_loss_is_flagged_and_rerun_and_training_goes_on(checked, tmp_pat
         assert reproduced, run.log[-4000:]
     else:
         assert not flagged and not reproduced, run.log[-4000:]
-    logged = tensorboard_scalars(tmp_path / "tb", "lm loss")
+    logged = run.scalars["lm loss"]
     assert sorted(logged) == list(range(1, SPIKE_ITERS + 1))  # trained on, every iteration
     assert logged[SPIKE_AT] > 100 > max(v for i, v in logged.items() if i != SPIKE_AT)
-
-
-
-EXPERT_BIAS = ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]
-# megatron-core 0.19's quantile balancing: routing by a per-expert bias, no aux loss
-QUANTILE_BALANCING = ["--moe-router-load-balancing-type", "quantile_balancing",
-                      "--moe-aux-loss-coeff", "0"]
-
-
-def _spiked_run(tmp_path, name: str, spike: str, router: list[str],
-                env: dict | None = None) -> dict:
-    """TINY_MODEL with the `router` flags and the spiky-loss check; `spike` added to every token
-    loss at SPIKE_AT ("0": no spike, no rerun). Returns the tensorboard scalars by tag."""
-    board = tmp_path / name
-    flags = [*TINY_MODEL, "--train-iters", str(SPIKE_ITERS), "--tensorboard-dir", str(board),
-             "--check-for-spiky-loss", *router]
-    launch(1, flags, script=REPO / "tests" / "_bad_loss_entry.py",
-           env={"BAD_LOSS": spike, "BAD_LOSS_AT": str(SPIKE_AT), **(env or {})}).check()
-    return {tag: tensorboard_scalars(board, tag) for tag in
-            ("lm loss", "load_balancing_loss", "expert_load/tokens_mean/layer_1")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("router", [EXPERT_BIAS, QUANTILE_BALANCING],
                          ids=["expert-bias", "quantile-balancing"])
-def test_a_rerun_step_trains_and_logs_as_the_step_itself(router, tmp_path):
+def test_a_rerun_step_trains_and_logs_as_the_step_itself(router, spiked_run):
     """rerun-restores-moe-step-state (and expert-load-metrics counting a step once). The
     reference is the same run without the spike, where megatron reruns nothing: the spike adds a
     constant to every token loss, so the step's gradients are the true loss's. Patched, after
@@ -87,10 +100,9 @@ def test_a_rerun_step_trains_and_logs_as_the_step_itself(router, tmp_path):
     run's finalize has already moved the router's bias (expert bias; quantile balancing's
     qb_beta), so the rerun routes with another bias and the step moves it twice (iterations 29-30
     differ), and megatron's MoE tracker logs both runs' load-balancing loss."""
-    reference = _spiked_run(tmp_path, "reference", "0", router)
-    patched = _spiked_run(tmp_path, "patched", "100", router)
-    unpatched = _spiked_run(tmp_path, "unpatched", "100", router,
-                            env={"MEGATRON_PATCHES_DISABLE": "rerun-restores-moe-step-state"})
+    reference, patched = (spiked_run(spike, router).scalars for spike in ("0", "100"))
+    unpatched = spiked_run("100", router, env={
+        "MEGATRON_PATCHES_DISABLE": "rerun-restores-moe-step-state"}).scalars
     after = range(SPIKE_AT + 1, SPIKE_ITERS + 1)
     assert all(patched["lm loss"][i] == reference["lm loss"][i] for i in after)
     assert all(unpatched["lm loss"][i] != reference["lm loss"][i] for i in after)
