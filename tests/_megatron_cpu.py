@@ -1,4 +1,5 @@
-"""Test helpers: real megatron-core GPT models on CPU (world size 1, gloo) and measured FLOPs.
+"""Test helpers: real megatron-core GPT models on CPU (world size 1, gloo), measured FLOPs, and
+the converter run in the test's process.
 
 Without CUDA they rely on the CPU backend, which tests/conftest.py activates before collection.
 """
