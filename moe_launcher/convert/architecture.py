@@ -196,8 +196,8 @@ def check_exportable(family: Family, args, moe_layers: list[bool]) -> None:
         raise ConvertError(f"the checkpoint's moe_layer_freq={args.moe_layer_freq!r} builds dense "
                            f"layers, which {family.architecture} does not have")
     balancing = ("aux_loss", "none", *(("seq_aux_loss",) if family.seq_aux_key else ()))
-    if _single(args.moe_router_load_balancing_type, "moe_router_load_balancing_type") not in (
-            balancing):
+    if _single(args.moe_router_load_balancing_type,
+               "moe_router_load_balancing_type") not in balancing:
         raise ConvertError(f"the checkpoint's moe_router_load_balancing_type="
                            f"{args.moe_router_load_balancing_type!r} has no Hugging Face mapping")
 

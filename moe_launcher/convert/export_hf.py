@@ -44,10 +44,10 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
     source_config = config_class(**source)
     known = source_config.to_dict()
     # the family's load-balancing keys are training settings too (DeepSeek's aux_loss_alpha)
-    training = _TRAINING_KEYS | {family.aux_loss_key, family.seq_aux_key}
+    not_compared = _TRAINING_KEYS | _LAYER_KEYS | {family.aux_loss_key, family.seq_aux_key}
     for key, value in derived.items():
         # (None: a key the config leaves to its modelling code, e.g. Mixtral's head_dim)
-        if key in training | _LAYER_KEYS or known.get(key) is None:
+        if key in not_compared or known.get(key) is None:
             continue
         # (a dict by the keys export writes: a published rope_scaling also keeps its legacy
         # "type")

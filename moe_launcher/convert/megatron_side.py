@@ -122,7 +122,7 @@ def world_one_config(saved_args):
 def build(model_config):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    if torch.empty(0).device.type == "meta":
+    if torch.get_default_device().type == "meta":
         # Names, shapes and dtypes only (the converter's builds): megatron's init methods would
         # give no values there, only work (torch's meta decompositions of normal_: 18 of a
         # GLM-4.5-Air build's 25 s).

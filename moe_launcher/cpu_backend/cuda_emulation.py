@@ -230,7 +230,7 @@ class CudaToCpu(TorchFunctionMode):
             result = func(*args, **kwargs) if kwargs else func(*args)
             if (isinstance(result, torch.Tensor) or (type(result) in (tuple, list) and result
                                                      and isinstance(result[0], torch.Tensor))) \
-                    and _inputs_all_host(args, kwargs or {}):
+                    and _inputs_all_host(args, kwargs):
                 _mark_host(result)
             return result
         kwargs = dict(kwargs or {})
@@ -265,7 +265,7 @@ class CudaToCpu(TorchFunctionMode):
             result = func(*args, **kwargs)
         if not isinstance(result, torch.Tensor) and not (
                 type(result) in (tuple, list) and result and isinstance(result[0], torch.Tensor)):
-            return result  # sizes, dtypes, numbers: the common case, kept cheap
+            return result  # sizes, dtypes, numbers
         if _on_host(placement, args, kwargs):
             _mark_host(result)
         elif placement == "cuda" and func is torch.Tensor.to:

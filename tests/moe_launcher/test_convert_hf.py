@@ -319,9 +319,9 @@ def test_tied_bf16_round_trip_is_bit_identical(family_conversions):
                for name in before)
 
 
-# GLM-4.5-Air's architecture keys as its config.json (zai-org/GLM-4.5-Air) states them, in
-# transformers' older spelling (rope_theta and partial_rotary_factor at the top level); the
-# The published configs the recipes are checked against (tests/examples/test_recipes.py).
+# Published config.json files (GLM-4.5-Air's in transformers' older spelling: rope_theta and
+# partial_rotary_factor at the top level), which the recipes are checked against too
+# (tests/examples/test_recipes.py).
 PUBLISHED = REPO / "tests" / "examples" / "published_configs"
 
 

@@ -45,6 +45,7 @@ import pytest
 import torch
 
 from _launch import TINY_MODEL, launch
+from _required import transformer_engine_missing
 
 REPO = Path(__file__).resolve().parents[3]
 OBSERVED = REPO / "tests" / "_observed_launch.py"
@@ -146,17 +147,9 @@ def test_without_one_rank_scaling_the_experts_lose_earlier_micro_batches(tmp_pat
     assert max(dense.values()) <= TOLERANCE, dense
 
 
-def _transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(not _transformer_engine(), reason="needs Transformer Engine")
+@pytest.mark.skipif(transformer_engine_missing() is not None,
+                    reason=transformer_engine_missing() or "")
 @pytest.mark.parametrize("strategy", ["optim", "no_shard", "optim_grads_params"])
 def test_fused_accumulation_keeps_every_micro_batch(strategy, tmp_path):
     """PR #6357's case, unverified so far: on one GPU the launcher picks TE layers with fused
