@@ -101,7 +101,8 @@ _ATTENTION_FLAGS = {"gqa": _grouped_query_attention_flags, "mla": _multi_latent_
 
 def _load_balancing_flags(family: Family, config) -> list[str]:
     coefficient = getattr(config, family.aux_loss_key, None) if family.aux_loss_key else None
-    if coefficient is None:  # (GLM-4.5 balances by its expert bias alone)
+    # (no coefficient, or 0, as export writes for a run without the loss: none)
+    if not coefficient:
         return ["--moe-router-load-balancing-type", "none"]
     sequence_level = family.seq_aux_key and getattr(config, family.seq_aux_key, False)
     return ["--moe-router-load-balancing-type", "seq_aux_loss" if sequence_level else "aux_loss",

@@ -41,9 +41,9 @@ class Family:
     shared_expert: tuple[str, str, str] | None = None
     shared_expert_gate: str | None = None
     expert_bias: str | None = None
-    # The config key of the load-balancing loss's coefficient (None, or a config without it: the
-    # family balances without one), and the config key that makes it sequence-level (DeepSeek's
-    # seq_aux: megatron's seq_aux_loss), if the family has one.
+    # The config key of the load-balancing loss's coefficient (None, or a config without it or
+    # with 0: the run balances without one), and the config key that makes it sequence-level
+    # (DeepSeek's seq_aux: megatron's seq_aux_loss), if the family has one.
     aux_loss_key: str | None = "router_aux_loss_coef"
     seq_aux_key: str | None = None
     # Saved megatron args the family maps beyond those its tensors above imply (`mapped_args`).
@@ -300,10 +300,13 @@ _LEADING_DENSE_SHARED_EXPERT_LAYERS = dict(
     expert_width_key="moe_intermediate_size", experts_key="n_routed_experts",
     shared_expert=_GATE_UP_DOWN_SHARED_EXPERTS, moe_layers=_leading_dense_layers,
     dense_mlp=_GATE_UP_DOWN_MLP)
-# GLM-4.5's and DeepSeek-V3's router (score-correction bias, no load-balancing loss) and their
-# multi-token-prediction layers.
-_SIGMOID_ROUTER_MTP = dict(expert_bias="mlp.gate.e_score_correction_bias", aux_loss_key=None,
+# GLM-4.5's and DeepSeek-V3's router (score-correction bias) and their multi-token-prediction
+# layers.
+_SIGMOID_ROUTER_MTP = dict(expert_bias="mlp.gate.e_score_correction_bias",
                            ignored_layers=_mtp_layers)
+# DeepSeek's own config.json keys of its load-balancing loss (transformers' configs keep them as
+# they are): aux_loss_alpha, sequence-level with seq_aux.
+_DEEPSEEK_AUX_LOSS = dict(aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux")
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     Family(architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",
@@ -328,6 +331,8 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            dense_mlp=_GATE_UP_DOWN_MLP),
     Family(architecture="Glm4MoeForCausalLM", config_class="Glm4MoeConfig",
            **_LEADING_DENSE_SHARED_EXPERT_LAYERS, **_SIGMOID_ROUTER_MTP,
+           # (GLM-4.5 balances by its expert bias alone: its config has no loss coefficient)
+           aux_loss_key=None,
            qk_norm=lambda config: config.use_qk_norm,
            flags=_glm4_moe_flags, config_keys=_glm4_moe_config,
            marks={"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
@@ -339,6 +344,9 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
                               "Glm4MoeForCausalLM ignores too"),
     Family(architecture="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
            **_LEADING_DENSE_SHARED_EXPERT_LAYERS, **_SIGMOID_ROUTER_MTP,
+           # the expert bias and, where the config states one, DeepSeek's complementary
+           # sequence-wise loss (Megatron-Bridge's DeepSeek-V3 bridge maps it so too)
+           **_DEEPSEEK_AUX_LOSS,
            qk_norm=lambda config: False, attention="mla",
            flags=_deepseek_v3_flags, config_keys=_deepseek_v3_config,
            marks={"multi_latent_attention": True, "moe_router_score_function": "sigmoid",
@@ -353,8 +361,7 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            flags=_deepseek_v2_flags, config_keys=_deepseek_v2_config,
            marks={"multi_latent_attention": True, "moe_router_score_function": "softmax",
                   "moe_shared_expert_gate": False},
-           # (DeepSeek's own config.json keys, which transformers' config keeps as they are)
-           aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux",
+           **_DEEPSEEK_AUX_LOSS,
            maps_args=frozenset({"moe_router_topk_scaling_factor", "moe_router_num_groups",
                                 "multi_latent_attention"})),
     Family(architecture="MixtralForCausalLM", config_class="MixtralConfig",

@@ -45,6 +45,9 @@ GPU_RECIPES = {
     "olmoe_1b_7b_pp": (1, dict(GPUS_PER_NODE="12"), "--expert-model-parallel-size"),
     "glm45_air_fsdp": (8, dict(NODES="3"), "--global-batch-size"),
     "glm45_air_pp": (8, dict(NODES="1"), "--expert-model-parallel-size"),
+    "moonlight_16b_a3b_fsdp": (2, dict(NODES="1", GPUS_PER_NODE="4"),
+                               "--expert-model-parallel-size"),
+    "moonlight_16b_a3b_pp": (1, dict(GPUS_PER_NODE="6"), "--pipeline-model-parallel-size"),
 }
 # The tiny CPU twin of each Megatron-FSDP recipe (recipes/_cpu_twin.sh), and its recipe.
 TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}
@@ -223,7 +226,7 @@ def test_public_parameter_counts():
     # (GLM-4.5-Air's published 12B active leaves out the embedding and output layer, 1.2B)
     expected = {"mixtral_8x7b_pp": (46.7e9, 12.9e9), "qwen3_30b_a3b_pp": (30.5e9, 3.3e9),
                 "olmoe_1b_7b_pp": (6.9e9, 1.3e9), "deepseek_v2_lite_pp": (15.7e9, None),
-                "glm45_air_pp": (106e9, None)}
+                "glm45_air_pp": (106e9, None), "moonlight_16b_a3b_pp": (16e9, 3e9)}
     for recipe, (total, active) in expected.items():
         flags, world = resolved(recipe)
         args = plan.parse_megatron_flags(flags, world)
@@ -538,7 +541,8 @@ RECIPE_OWN_ARGS = {"deepseek_v2_lite_pp": {"rope_type", "rotary_scaling_factor",
 @pytest.mark.parametrize("recipe, published", [("qwen3_30b_a3b_pp", "qwen3_30b_a3b"),
                                                ("mixtral_8x7b_pp", "mixtral_8x7b"),
                                                ("glm45_air_pp", "glm45_air"),
-                                               ("deepseek_v2_lite_pp", "deepseek_v2_lite")])
+                                               ("deepseek_v2_lite_pp", "deepseek_v2_lite"),
+                                               ("moonlight_16b_a3b_pp", "moonlight_16b_a3b")])
 def test_recipe_flags_are_what_import_hf_derives_from_the_published_config(
         recipe, published, tmp_path):
     """Both ways. The recipe's megatron args equal those of the recipe followed by the flags

@@ -90,14 +90,16 @@ def _deepseek_v3(**keys):
     # DeepSeek-V3's layout: multi-latent attention (q through a compressed rank and its norm, k
     # and v through one compressed kv and its norm, a rope key shared by the heads, q/k heads of
     # nope + rope dims wider than v's), a dense first layer, GLM-4.5's sigmoid router (score +
-    # correction bias, 8 experts in 4 groups, 2 chosen, top-4, scaled), a gateless shared expert.
+    # correction bias, 8 experts in 4 groups, 2 chosen, top-4, scaled), a gateless shared expert;
+    # the complementary sequence-wise balance loss its published config.json states
+    # (aux_loss_alpha, seq_aux: keys transformers keeps as they are).
     return DeepseekV3Config(**{**dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
         n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
         routed_scaling_factor=2.5, first_k_dense_replace=1, max_position_embeddings=64,
-        num_nextn_predict_layers=0), **keys})
+        num_nextn_predict_layers=0, aux_loss_alpha=0.001, seq_aux=True), **keys})
 
 
 # DeepSeek-V2-Lite's published yarn (factor 40 over 4096 positions, both mscales 0.707): the
@@ -330,6 +332,10 @@ PUBLISHED = REPO / "tests" / "examples" / "published_configs"
     ("glm45_air", "Glm4MoeForCausalLM", 106, "--add-qkv-bias"),
     # DeepSeek-V2-Lite: multi-latent attention with q in one projection, its yarn; 15.7B
     ("deepseek_v2_lite", "DeepseekV2ForCausalLM", 15.7, "--multi-latent-attention"),
+    # Moonlight-16B-A3B: DeepSeek-V3's layers (sigmoid router with expert bias, scaled) under
+    # multi-latent attention with q in one projection, DeepSeek's sequence-wise balance loss;
+    # the published 16B
+    ("moonlight_16b_a3b", "DeepseekV3ForCausalLM", 16, "seq_aux_loss"),
 ])
 def test_published_config_builds_with_transformers_parameter_count(published, architecture,
                                                                    billions, flag, tmp_path,
