@@ -39,3 +39,25 @@ def download_hint(path: str) -> str:
     """How to make a local folder for `path`: its hub download, where it is a hub id."""
     hub_id = path if is_hub_id(path) else "<hub id>"
     return f"hf download {hub_id} --include 'tokenizer*' --local-dir DIR"
+
+
+def own_code(path: str) -> str:
+    """What a tokenizer folder loads from code of its own (its tokenizer_config.json's auto_map
+    entry for AutoTokenizer, e.g. tokenization_moonshot.TikTokenTokenizer), for messages; ''
+    where it names nothing. transformers runs that code only with trust_remote_code, and
+    megatron's HuggingFaceTokenizer asks for it only with --trust-remote-code."""
+    import json
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as file:
+            entry = (json.load(file).get("auto_map") or {}).get("AutoTokenizer")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    classes = entry if isinstance(entry, list) else [entry]
+    return ", ".join(sorted({name for name in classes if isinstance(name, str)}))
+
+
+def needs_own_code(error: BaseException) -> bool:
+    """Whether transformers refused to load a tokenizer because it would run the folder's own
+    code (its ValueError asks for trust_remote_code=True)."""
+    return "trust_remote_code" in str(error)

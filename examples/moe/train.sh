@@ -93,6 +93,8 @@ GPUS_PER_NODE=8
 VOCAB_SIZE=
 TOKENIZER_MODEL=${TOKENIZER_MODEL:-}
 TOKENIZER_HUB_ID=  # a GPU recipe's published tokenizer, named in the download hint
+TOKENIZER_HUB_FILES="'tokenizer*'"  # the files of it that the hint downloads (--include)
+TOKENIZER_HUB_NOTE=  # what else the published tokenizer needs, said after the hint
 IMPL_ARGS=()
 MODEL_ARGS=()
 LAYOUT_ARGS=()
@@ -111,7 +113,8 @@ GPUS_PER_NODE=${env_gpus:-$GPUS_PER_NODE}
 check_tokenizer_model() {
   local fix="set TOKENIZER_MODEL to the local tokenizer folder that DATA_PATH was tokenized with (prepare_data's --tokenizer)"
   if [[ -n $TOKENIZER_HUB_ID ]]; then
-    fix+="; recipe $RECIPE's tokenizer is published as $TOKENIZER_HUB_ID: \`hf download $TOKENIZER_HUB_ID --include 'tokenizer*' --local-dir DIR\` makes that folder"
+    fix+="; recipe $RECIPE's tokenizer is published as $TOKENIZER_HUB_ID: \`hf download $TOKENIZER_HUB_ID --include $TOKENIZER_HUB_FILES --local-dir DIR\` makes that folder"
+    [[ -z $TOKENIZER_HUB_NOTE ]] || fix+=" ($TOKENIZER_HUB_NOTE)"
   fi
   [[ -n $TOKENIZER_MODEL ]] || die "DATA_PATH is set but TOKENIZER_MODEL is not; fix: $fix"
   [[ -z ${CONTAINER_IMAGE:-} ]] || return 0

@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", required=True, metavar="HF_DIR",
                         help="local Hugging Face tokenizer folder: the training run's "
                              "--tokenizer-model (with --tokenizer-type HuggingFaceTokenizer)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load a tokenizer that is code of its folder's own (its "
+                             "tokenizer_config.json's auto_map, e.g. a tiktoken tokenizer), "
+                             "running that code; the training run needs megatron's "
+                             "--trust-remote-code for it too")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX")
     parser.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                         help="fields (JSON keys or Parquet columns) to tokenize; one dataset "
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                            "flag").line(), file=sys.stderr)
         return EXIT_STATUS
     config = PrepareConfig(
-        inputs=tuple(args.input), tokenizer=args.tokenizer, output_prefix=args.output_prefix,
+        inputs=tuple(args.input), tokenizer=args.tokenizer,
+        trust_remote_code=args.trust_remote_code, output_prefix=args.output_prefix,
         json_keys=tuple(args.json_keys), append_eod=args.append_eod, workers=args.workers,
         overwrite=args.overwrite, skip_bad_lines=args.skip_bad_lines,
         log_interval=args.log_interval, chunk_bytes=args.chunk_bytes)

@@ -13,6 +13,7 @@ class PrepareConfig:
     inputs: tuple[str, ...]          # files or glob patterns, as given
     tokenizer: str                   # a local Hugging Face tokenizer folder
     output_prefix: str
+    trust_remote_code: bool = False  # the folder's own tokenizer code may run
     json_keys: tuple[str, ...] = ("text",)
     append_eod: bool = False
     workers: int = 1

@@ -36,7 +36,7 @@ def prepare(config: PrepareConfig) -> str:
     # One thread per worker: the pool is the parallelism, and tokenizers' own thread pool would
     # oversubscribe the cores (and must not have run before a fork).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tokenizer = load_tokenizer(config.tokenizer)
+    tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
     if config.append_eod and tokenizer.eod is None:
         raise PrepareError(f"--append-eod: the tokenizer in {config.tokenizer} has no "
                            "end-of-document (eos) token")

@@ -13,16 +13,17 @@ import logging
 import os
 import warnings
 
-from moe_launcher.tokenizer_folder import download_hint, folder_problem, is_hub_id
+from moe_launcher.tokenizer_folder import (
+    download_hint, folder_problem, is_hub_id, needs_own_code, own_code)
 
 from .errors import PrepareError
 
 # The arguments megatron's build_tokenizer gives HuggingFaceTokenizer when a run sets none of
 # --chat-template, --vocab-file, --merge-file, --special-tokens, --tokenizer-hf-no-use-fast,
-# --trust-remote-code, --tokenizer-hf-no-include-special-tokens.
+# --tokenizer-hf-no-include-special-tokens; --trust-remote-code is prepare_data's flag too.
 _TRAINING_DEFAULTS = dict(
     chat_template=None, vocab_file=None, merges_file=None, additional_special_tokens=[],
-    use_fast=True, trust_remote_code=False, include_special_tokens=True,
+    use_fast=True, include_special_tokens=True,
 )
 
 
@@ -35,9 +36,10 @@ def check_tokenizer_folder(path: str) -> None:
         raise PrepareError(problem)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     """megatron's HuggingFaceTokenizer for `path`, as training builds it (its text_to_ids(text)
-    is training's tokenize(text))."""
+    is training's tokenize(text)); with `trust_remote_code`, as a run with --trust-remote-code
+    builds it: a tokenizer of the folder's own code runs that code."""
     # A local folder only: never reach for a hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
     # Importing megatron on a machine without CUDA, Transformer Engine or Apex warns about each;
@@ -52,8 +54,15 @@ def load_tokenizer(path: str):
     # per-call warning about them says nothing here.
     transformers.logging.set_verbosity_error()
     try:
-        return HuggingFaceTokenizer(path, **_TRAINING_DEFAULTS)
-    except (ValueError, OSError) as err:
+        return HuggingFaceTokenizer(path, **_TRAINING_DEFAULTS,
+                                    trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, ImportError) as err:
+        if not trust_remote_code and needs_own_code(err):
+            code = own_code(path) or "its tokenizer_config.json's auto_map"
+            raise PrepareError(f"the tokenizer in {path} is code of the folder's own ({code}), "
+                               "which runs only when asked; fix: pass --trust-remote-code if "
+                               "you trust that code (and --trust-remote-code to the training "
+                               "run, which loads it the same way)") from None
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise PrepareError(f"cannot load the tokenizer in {path}: {reason}") from None
 

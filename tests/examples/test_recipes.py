@@ -312,6 +312,18 @@ def test_data_path_needs_a_local_tokenizer_folder(tokenizer, tmp_path):
     assert "`hf download Qwen/Qwen3-30B-A3B --include 'tokenizer*' --local-dir DIR`" in out.stderr
 
 
+def test_a_published_tokenizer_of_its_own_code_is_named_with_what_it_needs(tmp_path):
+    """Moonlight's tokenizer is tiktoken behind code of its own: the hint downloads that code
+    and its tiktoken.model, and says what loading it takes."""
+    out = train_sh("--print-args", RECIPE="moonlight_16b_a3b_pp",
+                   DATA_PATH=str(tmp_path / "corpus_text_document"))
+    assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
+    assert ("`hf download moonshotai/Moonlight-16B-A3B --include 'tokenizer*' tiktoken.model "
+            "tokenization_moonshot.py --local-dir DIR` makes that folder (its tokenizer is code "
+            "of its own: pip install tiktoken, then pass --trust-remote-code to prepare_data "
+            "and EXTRA_ARGS=--trust-remote-code to the run)") in out.stderr, out.stderr
+
+
 def test_data_path_takes_the_tokenizer_folder_and_no_vocab_size(tmp_path):
     """The folder reaches megatron as --tokenizer-model with no --vocab-size (the vocabulary is
     the tokenizer's); tiny_cpu names no tokenizer and keeps the caller's. In a container the

@@ -369,6 +369,72 @@ def test_refusals_while_reading(corpus, case, tmp_path):
     assert _files(prefix) == []
 
 
+def _tokenizer_of_its_own_code(corpus: Corpus, folder: Path, replace: bool = False) -> Path:
+    """The corpus's tokenizer as a folder whose tokenizer_config.json loads it through a class
+    of the folder's own code (auto_map), as tiktoken tokenizers (Moonlight's, Kimi's) are
+    published: transformers runs that code only with trust_remote_code."""
+    import shutil
+
+    shutil.copytree(corpus.tokenizer, folder, dirs_exist_ok=replace)
+    (folder / "tokenization_wrapped.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class WrappedTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="WrappedTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_wrapped.WrappedTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_tokenizer_of_its_own_code_runs_with_trust_remote_code(corpus, prepared, tmp_path):
+    """A tokenizer that is code of its folder's own: without --trust-remote-code prepare_data
+    refuses in one line naming the flag, and so does a run (megatron's flag), every rank before
+    any work; with it prepare_data writes what the same tokenizer without the code writes
+    (the corpus's 1-worker output, the reference), and the run trains on it, its record
+    matching the run's tokenizer."""
+    folder = _tokenizer_of_its_own_code(corpus, tmp_path / "own_code")
+    common = ["--tokenizer", str(folder), "--append-eod", "--skip-bad-lines", "--chunk-bytes",
+              "4096", "--workers", "1", "--input", *corpus.inputs]
+    prefix = str(tmp_path / "data")
+    code, out, err = _in_process(*common, "--output-prefix", prefix)
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"prepare_data: error: the tokenizer in {folder} is code of the "
+                          "folder's own (tokenization_wrapped.WrappedTokenizer), which runs only "
+                          "when asked; fix: pass --trust-remote-code"), err
+    assert _files(prefix) == []
+    # code that imports what is not installed (Moonlight's imports tiktoken): transformers'
+    # own words, in one line
+    (folder / "tokenization_wrapped.py").write_text(
+        "import tiktoken_not_installed\n" + (folder / "tokenization_wrapped.py").read_text())
+    code, _, err = _in_process(*common, "--output-prefix", prefix, "--trust-remote-code")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"prepare_data: error: cannot load the tokenizer in {folder}: "), err
+    assert "tiktoken_not_installed" in err and _files(prefix) == []
+    _tokenizer_of_its_own_code(corpus, folder, replace=True)
+    code, _, err = _in_process(*common, "--output-prefix", prefix, "--trust-remote-code")
+    assert code == 0, err
+    for ext in (".bin", ".idx"):
+        assert (Path(prefix + "_text_document" + ext).read_bytes()
+                == Path(prepared["one"] + "_text_document" + ext).read_bytes())
+
+    model = _without(TINY_MODEL, {"--mock-data"}, {"--tokenizer-type", "--vocab-size"})
+    data = [*model, "--data-path", prefix + "_text_document", "--split", "98,2,0",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder),
+            "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "2",
+            "--tensorboard-dir", str(tmp_path / "tb")]
+    refused = launch(2, data)
+    errors = [line for line in refused.log.splitlines() if "pretrain_moe: error:" in line]
+    assert refused.exit_codes == [2, 2] and len(errors) == 1, refused.log[-3000:]
+    assert (f"--tokenizer-model {folder}: the tokenizer is code of the folder's own "
+            "(tokenization_wrapped.WrappedTokenizer), which megatron runs only with "
+            "--trust-remote-code; fix: pass --trust-remote-code") in errors[0], errors[0]
+    assert "Traceback" not in refused.log and not (tmp_path / "cache").exists()
+    run = launch(2, [*data, "--trust-remote-code"])
+    run.check()
+    assert sorted(tensorboard_scalars(tmp_path / "tb", "lm loss")) == [1, 2]
+    assert "prepare_data record" not in run.log  # its record names this tokenizer
+
+
 def test_several_keys_keep_records_aligned(corpus, tmp_path):
     """One dataset per key; a record missing one key is left out of all of them."""
     from tokenizers import Tokenizer

@@ -17,10 +17,12 @@
 # layer (num_nextn_predict_layers 0). Trained here at sequence length 4096 (megatron's fused
 # RoPE for MLA needs YaRN, hence --no-rope-fusion).
 VOCAB_SIZE=163840
-# No TOKENIZER_HUB_ID: the published tokenizer is tiktoken behind remote code
-# (tokenization_moonshot.py), which neither prepare_data nor a run loads (both load a
-# tokenizer as megatron does by default, trust_remote_code off); tokenize with a tokenizer
-# folder of your own (README: "Preparing data").
+# The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
+# It is tiktoken behind code of its own (tokenization_moonshot.TikTokenTokenizer), which runs
+# only when asked: prepare_data's and the run's --trust-remote-code, and the tiktoken package.
+TOKENIZER_HUB_ID=moonshotai/Moonlight-16B-A3B
+TOKENIZER_HUB_FILES="'tokenizer*' tiktoken.model tokenization_moonshot.py"
+TOKENIZER_HUB_NOTE="its tokenizer is code of its own: pip install tiktoken, then pass --trust-remote-code to prepare_data and EXTRA_ARGS=--trust-remote-code to the run"
 MODEL_ARGS=(
   --num-layers 27 --hidden-size 2048 --ffn-hidden-size 11264
   --num-attention-heads 16 --multi-latent-attention
