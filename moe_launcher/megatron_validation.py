@@ -23,7 +23,7 @@ import re
 import traceback
 
 from moe_launcher.runtime.refusals import PreflightError
-from moe_launcher.tokenizer_folder import needs_own_code, own_code
+from moe_launcher.tokenizer_folder import untrusted_own_code
 
 # Names in megatron's checks that are config fields rather than flag destinations.
 _CONFIG_FIELD_FLAGS = {"num_moe_experts": "--num-experts", "seq_length": "--seq-length"}
@@ -131,20 +131,16 @@ def build_megatron_tokenizer(args: argparse.Namespace) -> None:
     build another). A tokenizer that cannot be built is refused."""
     from megatron.training.global_vars import rebuild_tokenizer
 
-    try:
-        with megatron_refusals():
-            tokenizer = rebuild_tokenizer(args)
-    except PreflightError as refused:
-        if (args.tokenizer_type == "HuggingFaceTokenizer" and not args.trust_remote_code
-                and needs_own_code(refused)):
-            code = own_code(args.tokenizer_model) or "its tokenizer_config.json's auto_map"
-            raise PreflightError(
-                "--trust-remote-code",
-                f"--tokenizer-model {args.tokenizer_model}: the tokenizer is code of the "
-                f"folder's own ({code}), which megatron runs only with --trust-remote-code; "
-                "fix: pass --trust-remote-code if you trust that code (train.sh: "
-                "EXTRA_ARGS=--trust-remote-code)") from None
-        raise
+    if (args.tokenizer_type == "HuggingFaceTokenizer" and not args.trust_remote_code
+            and (code := untrusted_own_code(args.tokenizer_model))):
+        raise PreflightError(
+            "--trust-remote-code",
+            f"--tokenizer-model {args.tokenizer_model}: the tokenizer is code of the folder's "
+            f"own ({code}), which megatron runs only with --trust-remote-code; fix: pass "
+            "--trust-remote-code if you trust that code (train.sh: "
+            "EXTRA_ARGS=--trust-remote-code)")
+    with megatron_refusals():
+        tokenizer = rebuild_tokenizer(args)
     _model_rows_from_vocab_size(args, tokenizer)
 
 

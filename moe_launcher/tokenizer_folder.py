@@ -41,23 +41,56 @@ def download_hint(path: str) -> str:
     return f"hf download {hub_id} --include 'tokenizer*' --local-dir DIR"
 
 
-def own_code(path: str) -> str:
-    """What a tokenizer folder loads from code of its own (its tokenizer_config.json's auto_map
-    entry for AutoTokenizer, e.g. tokenization_moonshot.TikTokenTokenizer), for messages; ''
-    where it names nothing. transformers runs that code only with trust_remote_code, and
-    megatron's HuggingFaceTokenizer asks for it only with --trust-remote-code."""
+def _tokenizer_config(path: str) -> dict:
     import json
 
     try:
         with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as file:
-            entry = (json.load(file).get("auto_map") or {}).get("AutoTokenizer")
-    except (OSError, ValueError, AttributeError):
-        return ""
+            config = json.load(file)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _own_classes(path: str) -> list[str]:
+    """The classes a tokenizer folder's tokenizer_config.json loads from code of its own (its
+    auto_map entry for AutoTokenizer, or the older list form: e.g.
+    tokenization_moonshot.TikTokenTokenizer)."""
+    auto_map = _tokenizer_config(path).get("auto_map")
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else auto_map
     classes = entry if isinstance(entry, list) else [entry]
-    return ", ".join(sorted({name for name in classes if isinstance(name, str)}))
+    return sorted({name for name in classes if isinstance(name, str)})
 
 
-def needs_own_code(error: BaseException) -> bool:
-    """Whether transformers refused to load a tokenizer because it would run the folder's own
-    code (its ValueError asks for trust_remote_code=True)."""
-    return "trust_remote_code" in str(error)
+def own_code(path: str) -> str:
+    """The classes of the folder's own code its tokenizer is, for messages ('' for none)."""
+    return ", ".join(_own_classes(path))
+
+
+def own_code_files(path: str) -> list[str]:
+    """The Python files in the folder that its tokenizer's own classes are defined in
+    (tokenization_moonshot.py); a class of another repository's code (`repo--module.Class`) is
+    not in the folder."""
+    modules = {name.rsplit(".", 1)[0] + ".py" for name in _own_classes(path) if "--" not in name}
+    return sorted(name for name in modules if os.path.isfile(os.path.join(path, name)))
+
+
+def untrusted_own_code(path: str) -> str:
+    """The classes of the folder's own code that its tokenizer is, where transformers has no
+    class of the name tokenizer_config.json gives ('' otherwise). transformers' AutoTokenizer
+    (megatron's HuggingFaceTokenizer calls it) runs that code only with trust_remote_code;
+    without it, a tokenizer-only folder fails to load, and a model folder (config.json beside)
+    gets a tokenizer of another class built from the vocabulary files: for a tiktoken file,
+    other tokens, silently. Where transformers has the named class it loads that, as it does
+    whatever is asked. Imports transformers only for a folder that names code of its own."""
+    classes = _own_classes(path)
+    if not classes:
+        return ""
+    name = _tokenizer_config(path).get("tokenizer_class")
+    if isinstance(name, str):
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+        base = name.removesuffix("Fast")
+        if tokenizer_class_from_name(base) or tokenizer_class_from_name(base + "Fast"):
+            return ""
+    return ", ".join(classes)

@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
                                                 "OUT_DIR/model_flags.txt")
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
+    imp.add_argument("--trust-remote-code", action="store_true",
+                     help="load a tokenizer that is code of the folder's own (Moonlight's, "
+                          "Kimi's), running that code, to check its size against config.json")
     exp = commands.add_parser("export-hf", help="a torch_dist or fsdp_dtensor checkpoint -> a HF "
                                                 "folder")
     exp.add_argument("ckpt_dir")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "import-hf":
             from .import_hf import import_hf
 
-            import_hf(options.hf_dir, options.out_dir)
+            import_hf(options.hf_dir, options.out_dir, options.trust_remote_code)
         elif options.command == "to-torch-dist":
             from .change_format import to_torch_dist
 

@@ -217,7 +217,17 @@ def read_with_progress(read, model, what: str):
         yield counted
 
 
+# The vocabulary files of tokenizers that are code of their folder's own, which name them as
+# they like: tiktoken's ranks (Moonlight's and Kimi's tiktoken.model, Qwen-7B's qwen.tiktoken),
+# SentencePiece models.
+_OWN_CODE_VOCABULARY_SUFFIXES = (".model", ".tiktoken")
+
+
 def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
+    """Copies the tokenizer's files; for a tokenizer that is code of the folder's own, that code
+    and the vocabulary files such code reads too. Returns the names copied."""
+    from moe_launcher.tokenizer_folder import own_code_files
+
     if not os.path.isdir(tokenizer_dir):
         raise ConvertError(f"--tokenizer {tokenizer_dir} is not a folder")
     found = [name for name in TOKENIZER_FILES
@@ -225,6 +235,11 @@ def copy_tokenizer(tokenizer_dir: str, out_dir: str) -> list[str]:
     if not any(name.startswith("tokenizer") or name == "vocab.json" for name in found):
         raise ConvertError(f"--tokenizer {tokenizer_dir} holds no tokenizer files "
                            f"({', '.join(TOKENIZER_FILES[:5])}, ...)")
+    if code := own_code_files(tokenizer_dir):
+        found += code + sorted(
+            name for name in os.listdir(tokenizer_dir)
+            if name.endswith(_OWN_CODE_VOCABULARY_SUFFIXES) and name not in found
+            and os.path.isfile(os.path.join(tokenizer_dir, name)))
     for name in found:
         shutil.copy2(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
     return found

@@ -35,16 +35,24 @@ def hf_config(family: Family, hf_dir: str):
     return getattr(transformers, family.config_class).from_pretrained(hf_dir)
 
 
-def check_tokenizer_fits(hf_dir: str, config) -> None:
+def check_tokenizer_fits(hf_dir: str, config, trust_remote_code: bool = False) -> None:
     """Where the folder holds a tokenizer (loaded as training loads it: megatron's
-    HuggingFaceTokenizer), its ids must all have a row of config.json's vocab_size."""
+    HuggingFaceTokenizer), its ids must all have a row of config.json's vocab_size. A tokenizer
+    that is code of the folder's own (Moonlight's, Kimi's) is loaded only with
+    `trust_remote_code`; without it the check cannot judge, lets the import go on and says so."""
     if not any(os.path.isfile(os.path.join(hf_dir, name)) for name in TOKENIZER_FILES):
         return
     from moe_launcher.prepare_data.errors import PrepareError
-    from moe_launcher.prepare_data.tokenizer import load_tokenizer
+    from moe_launcher.prepare_data.tokenizer import TokenizerCodeNotTrusted, load_tokenizer
+    from moe_launcher.tokenizer_folder import own_code
 
     try:
-        tokens = load_tokenizer(hf_dir).vocab_size
+        tokens = load_tokenizer(hf_dir, trust_remote_code).vocab_size
+    except TokenizerCodeNotTrusted:
+        print(f"convert: import-hf: the tokenizer in {hf_dir} is code of the folder's own "
+              f"({own_code(hf_dir)}): its size is not checked against config.json's vocab_size "
+              "(--trust-remote-code runs that code to check it)", flush=True)
+        return
     except PrepareError as error:
         raise ConvertError(str(error)) from None
     if tokens > config.vocab_size:
@@ -98,11 +106,11 @@ class _Weights:
         return fuse(rule, sources, self.config, self.padded_vocab)
 
 
-def import_hf(hf_dir: str, out_dir: str) -> None:
+def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> None:
     check_target(out_dir)
     family = family_of_architecture(read_config_json(hf_dir).get("architectures"))
     config = hf_config(family, hf_dir)
-    check_tokenizer_fits(hf_dir, config)
+    check_tokenizer_fits(hf_dir, config, trust_remote_code)
     flags = megatron_flags(family, config)
     tensors = HFTensors(hf_dir)
     megatron_side.start()

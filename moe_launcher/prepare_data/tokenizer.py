@@ -14,7 +14,7 @@ import os
 import warnings
 
 from moe_launcher.tokenizer_folder import (
-    download_hint, folder_problem, is_hub_id, needs_own_code, own_code)
+    download_hint, folder_problem, is_hub_id, untrusted_own_code)
 
 from .errors import PrepareError
 
@@ -25,6 +25,10 @@ _TRAINING_DEFAULTS = dict(
     chat_template=None, vocab_file=None, merges_file=None, additional_special_tokens=[],
     use_fast=True, include_special_tokens=True,
 )
+
+
+class TokenizerCodeNotTrusted(PrepareError):
+    """The tokenizer is code of its folder's own, and trust_remote_code was not given."""
 
 
 def check_tokenizer_folder(path: str) -> None:
@@ -53,16 +57,15 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     # Documents longer than the model's context are normal in pretraining data; transformers'
     # per-call warning about them says nothing here.
     transformers.logging.set_verbosity_error()
+    if not trust_remote_code and (code := untrusted_own_code(path)):
+        raise TokenizerCodeNotTrusted(
+            f"the tokenizer in {path} is code of the folder's own ({code}), which runs only "
+            "when asked; fix: pass --trust-remote-code if you trust that code (and "
+            "--trust-remote-code to the training run, which loads it the same way)")
     try:
         return HuggingFaceTokenizer(path, **_TRAINING_DEFAULTS,
                                     trust_remote_code=trust_remote_code)
     except (ValueError, OSError, ImportError) as err:
-        if not trust_remote_code and needs_own_code(err):
-            code = own_code(path) or "its tokenizer_config.json's auto_map"
-            raise PrepareError(f"the tokenizer in {path} is code of the folder's own ({code}), "
-                               "which runs only when asked; fix: pass --trust-remote-code if "
-                               "you trust that code (and --trust-remote-code to the training "
-                               "run, which loads it the same way)") from None
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         raise PrepareError(f"cannot load the tokenizer in {path}: {reason}") from None
 

@@ -1322,6 +1322,79 @@ def test_import_refuses_a_tokenizer_larger_than_the_vocabulary(qwen_dir, tmp_pat
             f"is {VOCAB}") in line, line
 
 
+# A tokenizer that is code of its folder's own, as Moonlight's tiktoken one is published: the
+# class is in the folder's tokenization_words.py, and it reads its words from words.tiktoken (a
+# name no other tokenizer has, as tiktoken.model is Moonlight's).
+_WORDS_TOKENIZER = """from transformers import PreTrainedTokenizer
+
+
+class WordsTokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "words.tiktoken"}
+
+    def __init__(self, vocab_file, **kwargs):
+        with open(vocab_file) as file:
+            self.words = file.read().split()
+        self.ids = {word: i for i, word in enumerate(self.words)}
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self):
+        return len(self.words)
+
+    def get_vocab(self):
+        return dict(self.ids)
+
+    def _tokenize(self, text):
+        return text.split()
+
+    def _convert_token_to_id(self, token):
+        return self.ids.get(token, 0)
+
+    def _convert_id_to_token(self, index):
+        return self.words[index]
+"""
+
+
+def _words_tokenizer_of_its_own_code(folder: Path, tokens: int) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenization_words.py").write_text(_WORDS_TOKENIZER)
+    (folder / "words.tiktoken").write_text("\n".join(f"t{i}" for i in range(tokens)))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "WordsTokenizer", "unk_token": "t0",
+        "auto_map": {"AutoTokenizer": ["tokenization_words.WordsTokenizer", None]}}))
+
+
+def test_a_tokenizer_of_its_own_code_imports_and_exports(qwen_dir, family_conversions,
+                                                           tmp_path, capsys):
+    """Moonlight's and Kimi's folders hold a tokenizer that is code of their own: import-hf
+    does not run it unless asked (--trust-remote-code), goes on and says its size is unchecked
+    (before, it refused the folder); asked, it checks the size. export-hf --tokenizer copies
+    that code and the vocabulary file it reads: the export's tokenizer, loaded by transformers
+    with trust_remote_code, gives the source's ids (the reference)."""
+    from transformers import AutoTokenizer
+
+    source = shutil.copytree(qwen_dir, tmp_path / "source")
+    _words_tokenizer_of_its_own_code(source, VOCAB - 10)
+    run = convert("import-hf", source, tmp_path / "ckpt")
+    assert (f"convert: import-hf: the tokenizer in {source} is code of the folder's own "
+            "(tokenization_words.WordsTokenizer): its size is not checked against config.json's "
+            "vocab_size (--trust-remote-code runs that code to check it)") in run.stdout
+    _words_tokenizer_of_its_own_code(source, VOCAB + 5)
+    (tmp_path / "refused").mkdir()
+    line = refused(capsys, tmp_path / "refused", "import-hf", source, "--trust-remote-code")
+    assert (f"the tokenizer in {source} has {VOCAB + 5} tokens, but config.json's vocab_size "
+            f"is {VOCAB}") in line, line
+
+    _, _, ckpt, _ = family_conversions("qwen3_moe")
+    convert("export-hf", ckpt, tmp_path / "exported", "--tokenizer", source)
+    assert {"tokenization_words.py", "words.tiktoken", "tokenizer_config.json"} <= set(
+        os.listdir(tmp_path / "exported"))
+    text = "t3 t1 t7 t204 t4"
+    exported = AutoTokenizer.from_pretrained(tmp_path / "exported", trust_remote_code=True)
+    original = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
+    assert exported(text).input_ids == original(text).input_ids == [3, 1, 7, 204, 4]
+
+
 @pytest.mark.parametrize("changes, named", [
     # megatron's sigmoid router renormalises the chosen scores exactly when it chooses several
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
