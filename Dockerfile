@@ -17,10 +17,11 @@ WORKDIR /workspace/moe
 RUN python -c "import sys; from importlib.metadata import version; from packaging.version import Version as V; te = version('transformer_engine'); print('python', sys.version.split()[0], 'torch', version('torch'), 'transformer_engine', te); assert sys.version_info[:2] == (3, 12), 'megatron-core 0.19.2 needs Python 3.12'; assert V(te) >= V('2.10'), 'Megatron-FSDP needs transformer_engine >= 2.10'"
 
 # megatron-core exactly as requirements.lock pins it. --no-deps: torch, numpy and packaging come
-# with the NGC image and must not be replaced; einops and wandb at the lock's versions.
+# with the NGC image and must not be replaced; einops, wandb and emerging-optimizers
+# (megatron's --optimizer muon) at the lock's versions.
 COPY requirements.lock ./
 RUN pip install --no-deps "$(grep '^megatron-core==' requirements.lock)" \
- && pip install $(grep -E '^(einops|wandb)==' requirements.lock) \
+ && pip install $(grep -E '^(einops|wandb|emerging-optimizers)==' requirements.lock) \
  && python -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
 
 # megatron's HuggingFaceTokenizer (--tokenizer-type HuggingFaceTokenizer) and

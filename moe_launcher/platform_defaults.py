@@ -66,8 +66,16 @@ def _add_missing(argv: list[str], defaults) -> tuple[list[str], list[str]]:
     return argv + added, lines
 
 
+# megatron's optimizers that orthogonalise each weight matrix's update (Muon's Newton-Schulz
+# iteration), whose --muon-tp-mode says how a matrix sharded over tensor-parallel ranks is
+# orthogonalised.
+_ORTHOGONALISING_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
+
+
 def _model_defaults(argv: list[str]) -> tuple[PlatformDefault, ...]:
-    """Settings megatron defaults to but cannot train with for this model."""
+    """Settings megatron defaults to but cannot train with, or trains another model with, for
+    this command line."""
+    defaults = []
     moe = flag_value(argv, "--num-experts") not in (None, "0")
     gated = "--swiglu" in argv or "--quick-geglu" in argv
     with_bias = "--disable-bias-linear" not in argv  # without bias megatron drops the fusion
@@ -77,10 +85,24 @@ def _model_defaults(argv: list[str]) -> tuple[PlatformDefault, ...]:
     # per_token_scale in MLP", at the first step).
     if with_bias and ("--squared-relu" in argv or (moe and not gated)):
         activation = "squared ReLU" if "--squared-relu" in argv else "GELU MoE experts"
-        return (PlatformDefault(("--no-bias-gelu-fusion",),
-                                f"{activation}: megatron has no fused bias-activation kernel "
-                                "for them"),)
-    return ()
+        defaults.append(PlatformDefault(("--no-bias-gelu-fusion",),
+                                        f"{activation}: megatron has no fused bias-activation "
+                                        "kernel for them"))
+    # megatron-core 0.19.2's --muon-tp-mode defaults to blockwise: each rank orthogonalises its
+    # own shard of a tensor-parallel matrix (and scales it by the shard's shape), so the update,
+    # and the model trained, change with --tensor-model-parallel-size or
+    # --expert-tensor-parallel-size (a TP1 run and a TP2 one part from the second step on).
+    # duplicated (its optimizer class's own default) orthogonalises the whole matrix, gathered,
+    # as at TP1 (tests/moe_launcher/test_muon_cpu.py).
+    sharded = _size(argv, "--tensor-model-parallel-size") > 1 or _size(
+        argv, "--expert-tensor-parallel-size") > 1
+    if flag_value(argv, "--optimizer") in _ORTHOGONALISING_OPTIMIZERS and sharded:
+        defaults.append(PlatformDefault(
+            ("--muon-tp-mode", "duplicated"),
+            "megatron's blockwise default orthogonalises each tensor-parallel shard on its own, "
+            "so the update would depend on the TP/ETP layout; duplicated orthogonalises whole "
+            "matrices, as at TP 1 (--muon-tp-mode blockwise keeps megatron's)"))
+    return tuple(defaults)
 
 
 def with_model_defaults(argv: list[str]) -> tuple[list[str], list[str]]:
