@@ -510,6 +510,29 @@ def check_mtp_per_token_loss(args) -> None:
                              "#7452); fix: drop --calculate-per-token-loss (or --eod-mask-loss)")
 
 
+@preflight_check("muon-precision")
+def check_muon_precision(args) -> None:
+    # megatron-core 0.19.2's emerging optimizers (Muon) refuse fp16 when the optimizer is built,
+    # after the model (a traceback on every rank); with the distributed optimizer they run under
+    # its layer-wise optimizer, which wraps them in megatron's optimizer class for bf16 only: in
+    # fp32 every rank dies at the first step ('TensorParallelMuon' object has no attribute
+    # 'get_loss_scale').
+    if args.optimizer not in ("muon", "dist_muon", "adaptive_muon"):
+        return
+    if args.fp16:
+        raise PreflightError("--fp16", f"--optimizer {args.optimizer} with --fp16: megatron-core "
+                                       "0.19.2's emerging optimizers do not train in fp16; fix: "
+                                       "pass --bf16 instead")
+    layer_wise = args.use_distributed_optimizer or args.optimizer == "dist_muon"
+    if layer_wise and not args.bf16:
+        raise PreflightError("--use-distributed-optimizer",
+                             f"--optimizer {args.optimizer} with the distributed optimizer in "
+                             "fp32: megatron-core 0.19.2's layer-wise optimizer, which takes "
+                             "Muon's matrices then, trains only in bf16 (in fp32 every rank "
+                             "dies at the first step); fix: pass --bf16, or drop "
+                             "--use-distributed-optimizer")
+
+
 @preflight_check("gated-delta-net-tensor-parallel-norm")
 def check_gated_delta_net_tensor_parallel_norm(args) -> None:
     # megatron-core 0.19.2's gated delta net (`G` in a hybrid pattern) splits its value heads over
