@@ -69,7 +69,7 @@ def _add_missing(argv: list[str], defaults) -> tuple[list[str], list[str]]:
 # megatron's optimizers that orthogonalise each weight matrix's update (Muon's Newton-Schulz
 # iteration), whose --muon-tp-mode says how a matrix sharded over tensor-parallel ranks is
 # orthogonalised.
-_ORTHOGONALISING_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
+MUON_OPTIMIZERS = ("muon", "dist_muon", "adaptive_muon")
 
 
 def _model_defaults(argv: list[str]) -> tuple[PlatformDefault, ...]:
@@ -96,7 +96,7 @@ def _model_defaults(argv: list[str]) -> tuple[PlatformDefault, ...]:
     # as at TP1 (tests/moe_launcher/test_muon_cpu.py).
     sharded = _size(argv, "--tensor-model-parallel-size") > 1 or _size(
         argv, "--expert-tensor-parallel-size") > 1
-    if flag_value(argv, "--optimizer") in _ORTHOGONALISING_OPTIMIZERS and sharded:
+    if flag_value(argv, "--optimizer") in MUON_OPTIMIZERS and sharded:
         defaults.append(PlatformDefault(
             ("--muon-tp-mode", "duplicated"),
             "megatron's blockwise default orthogonalises each tensor-parallel shard on its own, "

@@ -517,7 +517,9 @@ def check_muon_precision(args) -> None:
     # its layer-wise optimizer, which wraps them in megatron's optimizer class for bf16 only: in
     # fp32 every rank dies at the first step ('TensorParallelMuon' object has no attribute
     # 'get_loss_scale').
-    if args.optimizer not in ("muon", "dist_muon", "adaptive_muon"):
+    from moe_launcher.platform_defaults import MUON_OPTIMIZERS
+
+    if args.optimizer not in MUON_OPTIMIZERS:
         return
     if args.fp16:
         raise PreflightError("--fp16", f"--optimizer {args.optimizer} with --fp16: megatron-core "
