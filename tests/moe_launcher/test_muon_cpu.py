@@ -44,3 +44,21 @@ def test_muon_trains_the_same_model_at_tp2_as_on_one_rank():
         assert abs(got - want) <= 1e-6 * abs(want), (_losses(split.log), expected)
     apart = [abs(got - want) / abs(want) for got, want in zip(_losses(blockwise.log), expected)]
     assert apart[0] == 0 and max(apart[2:]) > 1e-3, apart
+
+
+def test_muon_under_the_distributed_optimizer_resumes_exactly(tmp_path):
+    """bf16 with --use-distributed-optimizer, as GPU runs train (megatron then gives Muon's
+    matrices its layer-wise distributed optimizer), at DP2 x EP2: a run stopped after its
+    checkpoint at iteration 2 and resumed logs the uninterrupted run's losses at 3 and 4,
+    bit for bit (Muon's momentum and the scalar parameters' Adam state come back)."""
+    run = [*TINY_MODEL, "--optimizer", "muon", "--lr", "1e-2", "--min-lr", "1e-2",
+           "--train-iters", "4", "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+           "--expert-model-parallel-size", "2"]
+    uninterrupted = _losses(launch(2, run).check().log)
+    saving = [*run, "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    launch(2, [*saving, "--exit-interval", "2"]).check()
+    resumed = launch(2, [*saving, "--load", str(tmp_path / "ckpt")]).check()
+    assert "loading distributed checkpoint from" in resumed.log, resumed.log[-3000:]
+    losses = re.findall(r"iteration +(\d+)/ +4 \|.*? lm loss: ([0-9.E+-]+)", resumed.log)
+    assert [int(i) for i, _ in losses] == [3, 4], resumed.log[-3000:]
+    assert [float(value) for _, value in losses] == uninterrupted[2:]
