@@ -55,10 +55,13 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from _launch import TINY_MODEL, LiveRun, launch  # noqa: E402
 
-# Without these the tiny model does not run here (no CUDA; megatron's dataset helpers), or cannot
+# Without these the tiny model does not run here (no CUDA; megatron's dataset helpers), cannot
 # load the checkpoint both modes start from (saved with the patches: moe-norm-checkpoint-key
-# names the MoE norms' key, at model build, no cost per step).
-NEEDED_HERE = {"cpu", "dataset-helpers-prebuilt", "moe-norm-checkpoint-key"}
+# names the MoE norms' key, at model build, no cost per step), or logs no save and load timers
+# (megatron-logging-setup: megatron's own INFO logging, which emerging-optimizers' absl import
+# pre-empts; set once at start).
+NEEDED_HERE = {"cpu", "dataset-helpers-prebuilt", "moe-norm-checkpoint-key",
+               "megatron-logging-setup"}
 WARMUP = 3
 SAVE_INTERVAL = 3
 INITIALIZED = "[after megatron is initialized]"  # megatron's line before the model is built

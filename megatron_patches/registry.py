@@ -135,6 +135,7 @@ def unwrapped(function):
 
 # Every patch module, imported (and so registered) by load_patches(), in the order applied.
 PATCH_MODULES = (
+    "megatron_patches.accounting.megatron_logging_setup",
     "megatron_patches.build.dataset_helpers_prebuilt",
     "megatron_patches.build.local_norm_sequence_parallel",
     "megatron_patches.build.attention_sink_tensor_parallel",
