@@ -14,12 +14,15 @@ when its environment variable names a directory:
   routers' weights). Megatron-FSDP gives this rank's shard (its local part of the DTensor),
   and, to overwrite_rank{R}.json, each parameter's `overwrite_main_grad` flag as megatron's
   last gather left it (name -> true/false/null where the parameter has none);
-* $MEMORY_DIR: after megatron's first training step (the optimizer states exist), each rank of a
-  Megatron-FSDP model writes what it keeps of the model's weights, gradients, main weights and
-  optimizer states, counted in Megatron-FSDP's buffers and the optimizer's state tensors (buffer
-  padding left out), to memory_rank{R}.json: {"weights": elements of the weights, "bytes": bytes
-  of them all, "without_state": the optimizer's parameters it holds no state for (an empty
-  shard gets no gradient, so its optimizer never makes state for it)};
+* $MEMORY_DIR: after megatron's first training step (the optimizer states exist), each rank
+  writes what it keeps of the model's weights, gradients, main weights and optimizer states to
+  memory_rank{R}.json: {"weights": elements of the weights, "bytes": bytes of them all,
+  "without_state": the optimizer's parameters it holds no state for (an empty shard gets no
+  gradient, so its optimizer never makes state for it)}. A Megatron-FSDP model's are counted in
+  its buffers (padding left out); a plain model's are its parameters and their `main_grad`s
+  (megatron's gradient buffer, padding left out) and the main parameters the optimizer steps
+  where they are not the model's own (mixed precision's fp32 copies or their shards); then, for
+  both, every tensor of the optimizer's state but the step count;
 * $FLOP_COUNT_FILE: before megatron's first training step, rank 0 runs one forward and backward
   of one micro-batch of random tokens through the model built (a causal mask, full S×S scores)
   under torch's FlopCounterMode, on the device it trains on, and writes
@@ -173,7 +176,37 @@ def _observe_grads(training) -> None:
     training.finalize_model_grads = finalize_model_grads
 
 
-def _fsdp_memory(model, optimizer) -> dict:
+def _plain_memory(model) -> tuple[int, int]:
+    """(elements, bytes) of a plain model's weights and gradients."""
+    params = [param for chunk in model for param in chunk.parameters()]
+    weights = sum(param.numel() for param in params)
+    nbytes = sum(param.numel() * param.element_size()
+                 + param.main_grad.numel() * param.main_grad.element_size() for param in params)
+    return weights, nbytes
+
+
+def _memory(model, optimizer) -> dict:
+    fsdp = hasattr(model[0].module, "param_and_grad_buffer")  # the MegatronFSDP module
+    weights, nbytes = _fsdp_memory(model) if fsdp else _plain_memory(model)
+    model_params = {id(param) for chunk in model for param in chunk.parameters()}
+    without_state = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in chained.optimizer.param_groups:
+            if not fsdp:  # (Megatron-FSDP's main weights are in its buffers, counted there)
+                nbytes += sum(param.numel() * param.element_size() for param in group["params"]
+                              if id(param) not in model_params)
+            without_state += sum(not chained.optimizer.state.get(param)
+                                 for param in group["params"])
+        for state in chained.optimizer.state.values():
+            for key, value in state.items():
+                if key != "step" and torch.is_tensor(value):
+                    local = getattr(value, "_local_tensor", value)
+                    nbytes += local.numel() * local.element_size()
+    return {"weights": weights, "bytes": nbytes, "without_state": without_state}
+
+
+def _fsdp_memory(model) -> tuple[int, int]:
+    """(elements, bytes) of what Megatron-FSDP keeps of the weights, gradients and main weights."""
     weights = nbytes = 0
     for chunk in model:
         groups = chunk.module.param_and_grad_buffer.parameter_groups  # the MegatronFSDP module
@@ -190,17 +223,7 @@ def _fsdp_memory(model, optimizer) -> dict:
             if group.model_weight_buffer is None:  # no_shard: the weights are the parameters
                 weights += sum(param.numel() for param in group.params)
                 nbytes += sum(param.numel() * param.element_size() for param in group.params)
-    without_state = 0
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in chained.optimizer.state.values():
-            for key, value in state.items():
-                if key != "step" and torch.is_tensor(value):
-                    local = getattr(value, "_local_tensor", value)
-                    nbytes += local.numel() * local.element_size()
-        without_state += sum(not chained.optimizer.state.get(param)
-                             for group in chained.optimizer.param_groups
-                             for param in group["params"])
-    return {"weights": weights, "bytes": nbytes, "without_state": without_state}
+    return weights, nbytes
 
 
 def _observe_memory(training) -> None:
@@ -213,7 +236,7 @@ def _observe_memory(training) -> None:
                             f"memory_rank{torch.distributed.get_rank()}.json")
         if not os.path.exists(path):
             with open(path, "w") as out:
-                json.dump(_fsdp_memory(model, optimizer), out)
+                json.dump(_memory(model, optimizer), out)
         return result
 
     training.train_step = train_step

@@ -49,7 +49,7 @@ class PlanError(PreflightError):
 
 from megatron_patches.accounting.flops_from_layer_census import ModelShape, flops_per_batch  # noqa: E402
 from moe_launcher.model.layer_layout import LayerCensus, expected_moe_layers  # noqa: E402
-from moe_launcher import megatron_validation  # noqa: E402
+from moe_launcher import megatron_validation, optimizer_state  # noqa: E402
 from moe_launcher.platform_defaults import (  # noqa: E402
     set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
@@ -129,14 +129,15 @@ def run_megatron_validation(args, env: dict[str, str]):
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Counts:
-    attention: int  # per layer
+    attention: int  # per layer: its weight matrices
     dense_mlp: int  # per dense layer
     expert: int  # one routed expert
     shared: int  # shared experts of one MoE layer
     router: int
-    norms: int  # per layer
+    norms: int  # per layer: its parameters that are not matrices (norms, attention biases)
     embedding: int
     output: int  # 0 when tied
+    final_norm: int
     padded_vocab: int
 
 
@@ -152,22 +153,25 @@ def count_parameters(args) -> Counts:
     head = args.kv_channels or h // n
     gated = 3 if args.swiglu else 2
     norm = h if args.normalization == "RMSNorm" else 2 * h
+    vectors = 2 * norm
     if args.multi_latent_attention:
         qk = args.qk_head_dim + args.qk_pos_emb_head_dim
         if args.q_lora_rank:
-            q = h * args.q_lora_rank + args.q_lora_rank + args.q_lora_rank * n * qk
+            q = h * args.q_lora_rank + args.q_lora_rank * n * qk
+            vectors += args.q_lora_rank
         else:
             q = h * n * qk
-        kv = (h * (args.kv_lora_rank + args.qk_pos_emb_head_dim) + args.kv_lora_rank
+        kv = (h * (args.kv_lora_rank + args.qk_pos_emb_head_dim)
               + args.kv_lora_rank * n * (args.qk_head_dim + args.v_head_dim))
+        vectors += args.kv_lora_rank
         attention = q + kv + n * args.v_head_dim * h
     else:
         groups = args.num_query_groups if args.group_query_attention else n
         attention = h * (n + 2 * groups) * head + n * head * h
         if args.qk_layernorm:
-            attention += 2 * head
+            vectors += 2 * head
     if args.add_bias_linear:  # projection biases (MLP biases are left out: small)
-        attention += 4 * h
+        vectors += 4 * h
     moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     vocab = padded_vocab(args)
     return Counts(
@@ -176,9 +180,10 @@ def count_parameters(args) -> Counts:
         expert=gated * h * moe_ffn if args.num_experts else 0,
         shared=gated * h * (args.moe_shared_expert_intermediate_size or 0),
         router=h * (args.num_experts or 0),
-        norms=2 * norm,
+        norms=vectors,
         embedding=vocab * h,
         output=0 if not args.untie_embeddings_and_output_weights else vocab * h,
+        final_norm=norm,
         padded_vocab=vocab,
     )
 
@@ -189,7 +194,7 @@ def totals(args, c: Counts, pattern: list[int]) -> tuple[int, int]:
     dense_layers = len(pattern) - moe_layers
     E, k = args.num_experts or 0, args.moe_router_topk
     base = (len(pattern) * (c.attention + c.norms) + dense_layers * c.dense_mlp
-            + moe_layers * (c.shared + c.router) + c.embedding + c.output)
+            + moe_layers * (c.shared + c.router) + c.embedding + c.output + c.final_norm)
     return base + moe_layers * E * c.expert, base + moe_layers * k * c.expert
 
 
@@ -200,6 +205,7 @@ class Memory:
     weights: float  # bytes
     grads: float
     optimizer: float
+    optimizer_not_modelled: str  # what of the optimizer's state is priced as Adam's
 
     @property
     def total(self) -> float:
@@ -215,20 +221,23 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
     for s, n_layers in enumerate(stage_sizes):
         pat = layout.moe_pattern[start:start + n_layers]
         start += n_layers
-        dense = n_layers * (c.attention + c.norms) + (len(pat) - sum(pat)) * c.dense_mlp + sum(
-            pat) * (c.shared + c.router)
+        # (the parameters that are not weight matrices: Muon-family optimizers give them to
+        # another optimizer)
+        scalar = n_layers * c.norms
         if s == 0:
-            dense += c.embedding
+            scalar += c.embedding
         if s == layout.pp - 1:
-            dense += c.output if c.output else (c.embedding if layout.pp > 1 else 0)
-        dense //= layout.tp
+            scalar += c.final_norm + (c.output if c.output else (
+                c.embedding if layout.pp > 1 else 0))
+        dense = (scalar + n_layers * c.attention + (len(pat) - sum(pat)) * c.dense_mlp
+                 + sum(pat) * (c.shared + c.router)) // layout.tp
         expert = sum(pat) * (args.num_experts or 0) * c.expert // (layout.ep * layout.etp)
         if best is None or dense + expert > best[0] + best[1]:
-            best = (dense, expert)
-    dense, expert = best
+            best = (dense, expert, scalar // layout.tp)
+    dense, expert, scalar = best
     low = 2 if (args.bf16 or args.fp16) else 4
     grad = 4  # megatron's fp32 main grads
-    opt = 12 if (args.bf16 or args.fp16) else 8  # fp32 master copy (mixed precision) + Adam m, v
+    optimizer = optimizer_state.state_bytes(args)  # fp32 main copy + the optimizer's state
     dense_shard = layout.dp * layout.cp
     if args.use_megatron_fsdp:
         # Megatron-FSDP keeps gradients in --megatron-fsdp-main-grads-dtype, whose default
@@ -246,7 +255,12 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
         return nbytes * (dense / (dense_shard if sharded else 1)
                          + expert / (layout.edp if sharded else 1))
 
-    return Memory(dense, expert, part(low, shard_w), part(grad, shard_g), part(opt, shard_o))
+    dense_divisor = dense_shard if shard_o else 1
+    optimizer_bytes = optimizer.of(
+        (dense - scalar) / dense_divisor + expert / (layout.edp if shard_o else 1),
+        scalar / dense_divisor)
+    return Memory(dense, expert, part(low, shard_w), part(grad, shard_g), optimizer_bytes,
+                  optimizer.not_modelled)
 
 
 def flops_per_iteration(args, config, layout: Layout) -> int:
@@ -336,6 +350,9 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     print(f"[plan] per-GPU memory ({kind}): weights {size(mem.weights)} + grads "
           f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
+    if mem.optimizer_not_modelled:
+        print(f"[plan] optimizer memory: {mem.optimizer_not_modelled} is not modelled; priced "
+              f"as fp32 Adam moments")
     print(f"[plan] model FLOPs per token: {flops // tokens} ({human(flops / tokens)}; "
           f"megatron_patches.accounting.flops_from_layer_census, forward+backward, causal attention halved)")
     print(f"FLOPs per iteration: {flops}")

@@ -6,10 +6,14 @@ pipeline stage holds num_layers / PP layers. With `--decoder-first/last-pipeline
 stages are uneven (and before the layout fix could even hold other layers than asked), so the
 "most loaded shard" and the memory it implies are wrong for the stage that actually runs out of
 memory (NVIDIA/Megatron-LM#1778). This patch reports, from the record of the model built
-(moe_launcher/model/built_model.py, hence it requires `layer-census`), the parameters each rank holds, with
-megatron's own bytes-per-parameter rule. Under Megatron-FSDP a rank holds its DTensor shards of
-the optimizer state and, as the sharding strategy has it, shards or whole copies of the weights
-and gradients, in Megatron-FSDP's dtypes (moe_launcher/model/built_model.py).
+(moe_launcher/model/built_model.py, hence it requires `layer-census`), the parameters each rank holds, and
+prices them as the run keeps them: weights in the run's dtype, gradients in megatron's gradient
+buffer's, and the optimizer's main copies and state by moe_launcher/optimizer_state.py (megatron's
+estimate prices every run as bf16 with Adam: 18 bytes per parameter without the distributed
+optimizer, where a bf16 Muon run keeps 14 and an fp32 Adam run 16). Under Megatron-FSDP a rank
+holds its DTensor shards of the optimizer state and, as the sharding strategy has it, shards or
+whole copies of the weights and gradients, in Megatron-FSDP's dtypes
+(moe_launcher/model/built_model.py).
 Targets megatron-core 0.15.x - 0.19.x.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from moe_launcher import optimizer_state
 from moe_launcher.model.built_model import BuiltModel, HeldElements
 from megatron_patches import registry
 from megatron_patches.accounting import layer_census  # registered first: this patch requires it
@@ -31,10 +36,10 @@ class ParameterCensus:
     weight_and_optimizer_bytes: float  # on the rank with the most such bytes
 
     @classmethod
-    def of(cls, built: BuiltModel, distributed_optimizer: bool) -> ParameterCensus:
+    def of(cls, built: BuiltModel, args) -> ParameterCensus:
         return cls(built.unique_parameters,
                    max(held.total for held in built.held_per_rank),
-                   max(weight_and_optimizer_bytes(held, built.parallelism, distributed_optimizer)
+                   max(weight_and_optimizer_bytes(held, built.parallelism, args)
                        for held in built.held_per_rank))
 
     def lines(self) -> list[str]:
@@ -44,18 +49,22 @@ class ParameterCensus:
                 f"{self.weight_and_optimizer_bytes / 2**20:.2f} MB"]
 
 
-def _bytes_per_parameter(distributed_optimizer: bool, data_parallel_size: int) -> float:
-    # megatron's estimator: bf16 params, fp32 main grads and params, fp32 Adam moments;
-    # the distributed optimizer shards the 12 bytes of fp32 state over data parallelism.
-    return 6 + 12 / data_parallel_size if distributed_optimizer else 18
+def weight_and_optimizer_bytes(held: HeldElements, parallelism, args) -> float:
+    """Bytes of the weights, gradients, main weights and optimizer state `held` stands for, for
+    megatron's parsed arguments `args`."""
+    state = optimizer_state.state_bytes(args)
+    weight = 2 if (args.bf16 or args.fp16) else 4
+    gradient = 4 if args.accumulate_allreduce_grads_in_fp32 else weight
 
+    def plain(elements: int, scalar: int, replicas: int) -> float:
+        # the distributed optimizer shards main weights and state over the parameter's replicas
+        shards = replicas if args.use_distributed_optimizer else 1
+        return (weight + gradient) * elements + state.of(elements - scalar, scalar) / shards
 
-def weight_and_optimizer_bytes(held: HeldElements, parallelism, distributed_optimizer: bool
-                               ) -> float:
     # DTensor parameters: what the rank keeps of their weights, gradients and main weights, and
-    # megatron's two fp32 Adam moments per element of the shard.
-    return (held.dense * _bytes_per_parameter(distributed_optimizer, parallelism.data)
-            + held.expert * _bytes_per_parameter(distributed_optimizer, parallelism.expert_data)
+    # two fp32 Adam moments per element of the shard.
+    return (plain(held.dense, held.dense_scalar, parallelism.data)
+            + plain(held.expert, held.expert_scalar, parallelism.expert_data)
             + held.sharded_kept_bytes + 8 * held.sharded)
 
 
@@ -71,7 +80,7 @@ def _apply() -> None:
         built = registry.record_of(layer_census.PATCH.name).built
         if built is None:
             return estimate(args, verbose=verbose)
-        census = ParameterCensus.of(built, args.use_distributed_optimizer)
+        census = ParameterCensus.of(built, args)
         if verbose:
             print("\n".join(census.lines()), flush=True)
         return census.weight_and_optimizer_bytes

@@ -89,6 +89,10 @@ class ParameterSharding:
     # With EP=1 and ETP=TP megatron keeps expert weights in the dense groups: False then.
     expert: bool
     dtensor: bool  # a Megatron-FSDP DTensor (its shard is this rank's part of the state too)
+    # A 2-D weight matrix other than the embedding and the output layer: what megatron gives
+    # emerging-optimizers' optimizers (Muon) to step; the others go to Adam (moe_launcher/
+    # optimizer_state.py).
+    matrix: bool
     tied_copy: bool  # the last stage's copy of a tied embedding (counted once, on stage 0)
     held_numel: int  # elements this rank holds (its optimizer state covers them)
     # Elements of the weights this rank keeps: held_numel, except where a Megatron-FSDP strategy
@@ -112,6 +116,8 @@ class HeldElements:
 
     dense: int  # plain tensors, state sharded over `data` by the distributed optimizer
     expert: int  # plain tensors, state sharded over `expert_data`
+    dense_scalar: int  # of `dense`, the elements that are not in weight matrices
+    expert_scalar: int  # of `expert`, likewise
     sharded: int  # DTensor shards: their optimizer state lives with the shard
     sharded_weights: int  # the weights this rank keeps of the DTensor parameters
     sharded_kept_bytes: int  # their weights, gradients and main weights on this rank
@@ -182,6 +188,8 @@ def sharding_of(name: str, chunk: int, param: torch.Tensor, parallelism: Paralle
         name=name, chunk=chunk, local_shape=tuple(local.shape),
         global_shape=global_shape, partition_dim=partition_dim, split_over=split_over,
         expert=expert, dtensor=dtensor,
+        matrix=param.dim() == 2 and not _attribute(param, "is_embedding_or_output_parameter",
+                                                   False),
         tied_copy=not parallelism.first_stage and bool(_attribute(param, "shared_embedding",
                                                                   False)),
         held_numel=local.numel(), weight_numel=weight_numel, kept_bytes=kept_bytes)
@@ -218,6 +226,10 @@ def count_parameters(shardings, parallelism: Parallelism) -> tuple[int, tuple[He
     held = HeldElements(
         dense=sum(p.held_numel for p in shardings if not p.dtensor and not p.expert),
         expert=sum(p.held_numel for p in shardings if not p.dtensor and p.expert),
+        dense_scalar=sum(p.held_numel for p in shardings
+                         if not p.dtensor and not p.expert and not p.matrix),
+        expert_scalar=sum(p.held_numel for p in shardings
+                          if not p.dtensor and p.expert and not p.matrix),
         sharded=sum(p.held_numel for p in shardings if p.dtensor),
         sharded_weights=sum(p.weight_numel for p in shardings if p.dtensor),
         sharded_kept_bytes=sum(p.kept_bytes for p in shardings))
