@@ -535,6 +535,39 @@ def check_muon_precision(args) -> None:
                              "--use-distributed-optimizer")
 
 
+def adaptive_muon_step_failure() -> str | None:
+    """Why megatron's TensorParallelAdaptiveMuon cannot take a step, or None when it can: one
+    step on a 2 x 2 matrix, on the CPU, without process groups."""
+    import torch
+    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
+
+    matrix = torch.nn.Parameter(torch.ones(2, 2))
+    matrix.grad = torch.eye(2)
+    try:
+        TensorParallelAdaptiveMuon([matrix], lr=0.1, fp32_matmul_prec="high").step()
+    except AttributeError as exc:
+        return str(exc)
+    return None
+
+
+@preflight_check("adaptive-muon-step")
+def check_adaptive_muon_step(args) -> None:
+    # megatron-core 0.19.2's TensorParallelAdaptiveMuon hands its step to emerging-optimizers'
+    # AdaptiveMuon.step, which in 0.3.0 (the only release on PyPI) scales the update by
+    # self.scale_mode after the second moment; megatron's class never sets that attribute, so
+    # every rank dies at its first update, after the model is built. Decided by a step, so that
+    # a release that mends it passes.
+    if args.optimizer != "adaptive_muon":
+        return
+    failure = adaptive_muon_step_failure()
+    if failure:
+        raise PreflightError("--optimizer",
+                             "--optimizer adaptive_muon: megatron-core's "
+                             "TensorParallelAdaptiveMuon cannot take a step with the installed "
+                             f"emerging-optimizers ({failure}), so every rank would die at its "
+                             "first update; fix: use --optimizer muon")
+
+
 @preflight_check("gated-delta-net-tensor-parallel-norm")
 def check_gated_delta_net_tensor_parallel_norm(args) -> None:
     # megatron-core 0.19.2's gated delta net (`G` in a hybrid pattern) splits its value heads over

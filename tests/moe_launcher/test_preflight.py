@@ -99,6 +99,8 @@ CASES = {
     "muon-distributed-optimizer-in-fp32": (1, [*without(BASE, "--bf16", 0), "--optimizer", "muon",
                                                "--use-distributed-optimizer"],
                                            "--use-distributed-optimizer"),
+    # megatron-core 0.19.2's adaptive Muon dies at its first step with emerging-optimizers 0.3.0.
+    "adaptive-muon-cannot-step": (1, ["--optimizer", "adaptive_muon"], "--optimizer"),
     # megatron's HuggingFaceTokenizer would download a hub id on every rank.
     "tokenizer-model-is-a-hub-id": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
                                         "--tokenizer-model", "Qwen/Qwen3-30B-A3B"],
@@ -295,3 +297,18 @@ def test_megatron_fsdp_refuses_a_torch_dist_load(tmp_path, monkeypatch):
     assert judge(1, [*fsdp_run, "--load", str(tmp_path / "fsdp_dtensor")], monkeypatch) is None
     assert judge(1, [*fsdp_run, "--load", str(tmp_path / "torch_dist"), "--ckpt-step", "7"],
                  monkeypatch) is None  # no such iteration: the load checks judge it
+
+
+def test_without_the_check_adaptive_muon_dies_at_its_first_update():
+    """What adaptive-muon-step refuses, on one rank: megatron builds the model and the optimizer,
+    then it stops at the first update with emerging-optimizers 0.3.0's AttributeError."""
+    from moe_launcher.preflight import adaptive_muon_step_failure
+
+    failure = adaptive_muon_step_failure()
+    assert failure == "'TensorParallelAdaptiveMuon' object has no attribute 'scale_mode'"
+    run = launch(1, [*BASE, "--optimizer", "adaptive_muon"],
+                 env={"PREFLIGHT_LEFT_OUT": "adaptive-muon-step"},
+                 script=REPO / "tests" / "_preflight_left_out.py")
+    assert run.exit_codes == [1], run.log[-3000:]
+    assert "[megatron_patches] layer census:" in run.log  # the model and optimizer were built
+    assert f"AttributeError: {failure}" in run.log
