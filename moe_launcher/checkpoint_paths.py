@@ -29,7 +29,7 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-@preflight_check("save-writable")
+@preflight_check("save-writable", machine=True)
 def check_save_writable(args) -> None:
     # Probed, not guessed (root passes every permission test, and a read-only mount or /proc
     # refuses root too): a temporary folder made and removed in --save, or in the nearest
@@ -50,7 +50,7 @@ def check_save_writable(args) -> None:
                                        "write") from None
 
 
-@preflight_check("load-exists")
+@preflight_check("load-exists", machine=True)
 def check_load_exists(args) -> None:
     # megatron warns about a missing --load and trains from random weights. The one missing
     # --load that is meant is the run's own --save before its first checkpoint (a job that
@@ -70,7 +70,7 @@ def _holds_checkpoint(folder: str) -> bool:
                for name in os.listdir(folder))
 
 
-@preflight_check("load-is-a-checkpoint")
+@preflight_check("load-is-a-checkpoint", machine=True)
 def check_load_is_a_checkpoint(args) -> None:
     if not args.load or not os.path.exists(args.load):
         return  # load-exists has judged a missing one
@@ -87,7 +87,7 @@ def check_load_is_a_checkpoint(args) -> None:
                                    "parent or a data folder")
 
 
-@preflight_check("save-holds-another-run")
+@preflight_check("save-holds-another-run", machine=True)
 def check_save_continues(args) -> None:
     # A --save that holds a committed checkpoint is for the run that continues it (--load of the
     # same folder, no --finetune); megatron would let any other run write over it, silently.
@@ -95,7 +95,7 @@ def check_save_continues(args) -> None:
         raise PreflightError("--save", line)
 
 
-@preflight_check("megatron-fsdp-loads-fsdp-dtensor")
+@preflight_check("megatron-fsdp-loads-fsdp-dtensor", machine=True)
 def check_megatron_fsdp_load_format(args) -> None:
     # Megatron-FSDP loads fsdp_dtensor checkpoints only; megatron-core 0.19.2 reads a torch_dist
     # one (import-hf's, a DDP run's) into it as if it were one and dies on every rank with
@@ -121,7 +121,7 @@ _PIPELINE_LAYOUT = ("pipeline_model_parallel_size", "virtual_pipeline_model_para
                     "decoder_last_pipeline_num_layers")
 
 
-@preflight_check("megatron-fsdp-loads-its-pipeline-layout")
+@preflight_check("megatron-fsdp-loads-its-pipeline-layout", machine=True)
 def check_megatron_fsdp_pipeline_layout(args) -> None:
     # megatron-core 0.19.2's fsdp_dtensor checkpoints name layers by each stage's local index
     # (Megatron-FSDP's state dict is the module's own; only sharded_state_dict adds the stage's

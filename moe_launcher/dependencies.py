@@ -89,7 +89,7 @@ def first_missing(args, available: Callable[[Package], bool] = installed) -> Req
     return next((r for r in REQUIREMENTS if r.asks(args) and not available(r.package)), None)
 
 
-@preflight_check("optional-packages")
+@preflight_check("optional-packages", machine=True)
 def check_optional_packages(args) -> None:
     missing = first_missing(args)
     if missing:

@@ -10,7 +10,10 @@ The layout arithmetic here is shared with the dry-run planner (examples/moe/plan
 launcher and the planner refuse the same layouts with the same words.
 
 Checks are registered with `@preflight_check(name)` and run in registration order; the first
-refusal stops the run.
+refusal stops the run. A check that judges the machine it runs on (files, folders, installed
+packages) or the launcher's process (its patches) is registered with `machine=True`; the dry
+run, which may run elsewhere and applies no patch, runs every other check (`check_flags`), so it
+refuses what the launcher would refuse for the flags alone.
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ from moe_launcher.runtime.refusals import PreflightError
 class PreflightCheck:
     name: str
     run: Callable  # (args) -> None, raises PreflightError
+    # judges more than the flags: this machine's files, folders or packages, or the launcher's
+    # own process (the patches it applied)
+    machine: bool
 
 
 _CHECKS: dict[str, PreflightCheck] = {}
 
 
-def preflight_check(name: str):
+def preflight_check(name: str, machine: bool = False):
     def register(fn):
         if name in _CHECKS and _CHECKS[name].run is not fn:
             raise ValueError(f"two preflight checks are named {name!r}")
-        _CHECKS[name] = PreflightCheck(name, fn)
+        _CHECKS[name] = PreflightCheck(name, fn, machine)
         return fn
     return register
 
@@ -376,7 +382,7 @@ def check_context_parallel_attention(args) -> None:
                              "(not --attention-backend local), or pass --context-parallel-size 1")
 
 
-@preflight_check("data-path")
+@preflight_check("data-path", machine=True)
 def check_data_path(args) -> None:
     if getattr(args, "mock_data", False):
         return
@@ -406,7 +412,7 @@ def check_data_path(args) -> None:
                                        "moe_launcher.prepare_data)")
 
 
-@preflight_check("result-rejected-tracker")
+@preflight_check("result-rejected-tracker", machine=True)
 def check_result_rejected_tracker(args) -> None:
     """megatron's rerun state machine opens --result-rejected-tracker-filename for appending on
     every rank as it starts, and raises there (a traceback per rank) when it cannot."""
@@ -427,7 +433,7 @@ def check_result_rejected_tracker(args) -> None:
                                "can write (every job of the run appends to the same file)")
 
 
-@preflight_check("tokenizer-model-folder")
+@preflight_check("tokenizer-model-folder", machine=True)
 def check_tokenizer_model_folder(args) -> None:
     # megatron's HuggingFaceTokenizer hands --tokenizer-model to transformers' AutoTokenizer,
     # which downloads a hub id: every rank would, a download storm on a cluster and a failure
@@ -589,7 +595,7 @@ def check_gated_delta_net_tensor_parallel_norm(args) -> None:
                              "(the norm is then summed over TP) or use TP 1")
 
 
-@preflight_check("multi-latent-attention-spec")
+@preflight_check("multi-latent-attention-spec", machine=True)
 def check_multi_latent_attention_spec(args) -> None:
     if not args.multi_latent_attention or args.transformer_impl != "local":
         return
@@ -639,6 +645,11 @@ def check_args(args, only: tuple[str, ...] | None = None) -> None:
     for check in _CHECKS.values():
         if only is None or check.name in only:
             check.run(args)
+
+
+def check_flags(args) -> None:
+    """The checks that judge the flags alone (the dry run's): every one not of the machine."""
+    check_args(args, only=tuple(check.name for check in _CHECKS.values() if not check.machine))
 
 
 LAYOUT_CHECKS = ("model-parallel-fits-world", "expert-grid-fits-stage", "experts-split",

@@ -6,8 +6,9 @@
 Adds the flags and environment pretrain_moe.py adds on a GPU node, parses them with megatron's
 own parser (megatron.training.arguments.parse_args, so flag parsing is identical to the real
 run), checks the layout arithmetic against the world size (the per-stage layer split with
-moe_launcher.model.layer_layout), runs megatron's validate_args and TransformerConfig checks on a
-simulated H100, and prints the layout, the per-GPU parameter + optimizer memory estimate and
+moe_launcher.model.layer_layout) and runs the launcher's other checks of the flags (not those of
+files and packages: the dry run may run on another machine), runs megatron's validate_args and
+TransformerConfig checks on a simulated H100, and prints the layout, the per-GPU parameter + optimizer memory estimate and
 the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
 trained, no process group is created. Exits 1 (and names the flag and the fix) when the
 layout cannot run, 2 when the flags do not parse.
@@ -315,6 +316,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
             raise PlanError("--num-layers, --hidden-size and --vocab-size (or a vocab size hint "
                             "for a tokenizer) are needed for the estimates")
         layout = check_layout(args)
+        preflight.check_flags(args)  # what the launcher refuses for these flags on any machine
         validated, config = run_megatron_validation(args, env)
     except PreflightError as exc:
         print(f"dry run FAILED: {exc}", file=sys.stderr)

@@ -253,6 +253,25 @@ def test_uneven_stage_split_error_names_the_flag(monkeypatch):
     assert rc == 1 and "--decoder-first-pipeline-num-layers" in err
 
 
+def test_a_dry_run_refuses_what_the_launcher_refuses_for_the_flags(monkeypatch, tmp_path):
+    """The launcher's checks of the flags alone run in the dry run too (here Muon in fp16,
+    preflight muon-precision), with the launcher's words; its checks of the machine's files do
+    not (the dry run may run on a login node): a file in a folder that is not here passes (the
+    launcher refuses it: test_preflight's result-rejected-tracker-in-a-missing-folder)."""
+    from moe_launcher.preflight import check_flags
+    from moe_launcher.runtime.refusals import PreflightError
+
+    extra = ["--fp16", "--optimizer", "muon"]
+    rc, _, err = dry_run("moonlight_16b_a3b_pp", monkeypatch, extra=extra)
+    flags, world = resolved("moonlight_16b_a3b_pp")
+    with pytest.raises(PreflightError) as launcher:
+        check_flags(plan.parse_megatron_flags(plan.launcher_view([*flags, *extra])[0], world))
+    assert rc == 1 and err.strip() == f"dry run FAILED: {launcher.value}", err
+    tracker = ["--result-rejected-tracker-filename", str(tmp_path / "not-here" / "rejected.txt")]
+    rc, out, err = dry_run("moonlight_16b_a3b_pp", monkeypatch, extra=tracker)
+    assert rc == 0 and "dry run OK" in out, err
+
+
 def test_fsdp_needs_fsdp_dtensor(monkeypatch):
     rc, _, err = dry_run("olmoe_1b_7b_fsdp", monkeypatch, extra=["--ckpt-format", "torch_dist"])
     assert rc == 1 and "--ckpt-format fsdp_dtensor" in err
