@@ -25,14 +25,15 @@ RUN pip install --no-deps "$(grep '^megatron-core==' requirements.lock)" \
  && python -c "from importlib.metadata import version; print('megatron-core', version('megatron-core'))"
 
 # megatron's HuggingFaceTokenizer (--tokenizer-type HuggingFaceTokenizer) and
-# `python -m moe_launcher.prepare_data`: transformers, tokenizers, pyarrow, tqdm and what they
+# `python -m moe_launcher.prepare_data`: transformers, tokenizers, pyarrow, tqdm, tiktoken (what
+# tokenizers published as tiktoken code of their own import: Moonlight's, Kimi's) and what they
 # need, each at the lock's version; --no-deps so that numpy and torch stay the image's. What
-# they need and the image provides (numpy, packaging, PyYAML, filelock, fsspec, Pygments) is
-# checked: a missing or too old one fails the build, named.
+# they need and the image provides (numpy, packaging, PyYAML, filelock, fsspec, Pygments,
+# requests) is checked: a missing or too old one fails the build, named.
 COPY scripts/check_requirements.py scripts/
-RUN pip install --no-deps $(grep -E '^(transformers|tokenizers|huggingface_hub|hf-xet|safetensors|regex|tqdm|pyarrow|typer|rich|shellingham|annotated-doc|markdown-it-py|mdurl|httpx2|httpcore2|truststore|h11|anyio|idna|click|typing_extensions|pydantic|pydantic_core|annotated-types|typing-inspection)==' requirements.lock) \
- && python scripts/check_requirements.py transformers tokenizers pyarrow tqdm \
- && python -c "import pyarrow, tokenizers, tqdm, transformers; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
+RUN pip install --no-deps $(grep -E '^(transformers|tokenizers|tiktoken|huggingface_hub|hf-xet|safetensors|regex|tqdm|pyarrow|typer|rich|shellingham|annotated-doc|markdown-it-py|mdurl|httpx2|httpcore2|truststore|h11|anyio|idna|click|typing_extensions|pydantic|pydantic_core|annotated-types|typing-inspection)==' requirements.lock) \
+ && python scripts/check_requirements.py transformers tokenizers pyarrow tqdm tiktoken \
+ && python -c "import pyarrow, tiktoken, tokenizers, tqdm, transformers; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
 
 # The project itself (pretrain_moe.py, megatron_patches, examples), installed editable so a
 # checkout mounted over /workspace/moe is what runs.

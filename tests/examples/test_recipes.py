@@ -339,7 +339,7 @@ def test_a_published_tokenizer_of_its_own_code_is_named_with_what_it_needs(tmp_p
     assert (out.returncode, out.stdout, len(out.stderr.splitlines())) == (2, "", 1), out.stderr
     assert ("`hf download moonshotai/Moonlight-16B-A3B --include 'tokenizer*' tiktoken.model "
             "tokenization_moonshot.py --local-dir DIR` makes that folder (its tokenizer is code "
-            "of its own: pip install tiktoken, then pass --trust-remote-code to prepare_data "
+            "of its own: pass --trust-remote-code to prepare_data "
             "and EXTRA_ARGS=--trust-remote-code to the run)") in out.stderr, out.stderr
 
 
@@ -401,7 +401,7 @@ def test_docker_build_checks_what_no_deps_leaves_out(tmp_path):
     missing or too old."""
     from importlib.metadata import version
 
-    stack = ["transformers", "tokenizers", "pyarrow", "tqdm"]
+    stack = ["transformers", "tokenizers", "pyarrow", "tqdm", "tiktoken"]
     assert f"python scripts/check_requirements.py {' '.join(stack)}" in (
         ROOT / "Dockerfile").read_text()
     script = str(ROOT / "scripts" / "check_requirements.py")

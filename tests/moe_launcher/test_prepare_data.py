@@ -386,6 +386,142 @@ def _tokenizer_of_its_own_code(corpus: Corpus, folder: Path, replace: bool = Fal
     return folder
 
 
+# A tiktoken tokenizer published as code of its folder's own, shaped as Moonlight's and Kimi's
+# (tokenization_moonshot.TikTokenTokenizer: tiktoken ranks in tiktoken.model, a python
+# tokenizer whose tokens are the byte-level strings of tiktoken's ids), written here.
+_TIKTOKEN_CODE = r"""
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.tokenization_utils import PreTrainedTokenizer
+
+PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+
+class TikTokenTokenizer(PreTrainedTokenizer):
+    vocab_files_names = {"vocab_file": "tiktoken.model"}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file, bos_token="[BOS]", eos_token="[EOS]", **kwargs):
+        ranks = load_tiktoken_bpe(vocab_file)
+        special = {"[BOS]": len(ranks), "[EOS]": len(ranks) + 1}
+        self.model = tiktoken.Encoding(name="test", pat_str=PATTERN, mergeable_ranks=ranks,
+                                       special_tokens=special)
+        byte_encoder = bytes_to_unicode()
+        self.decoder = {i: "".join(byte_encoder[b] for b in self.model.decode_single_token_bytes(i))
+                        for i in range(len(ranks))}
+        self.decoder.update({i: token for token, i in special.items()})
+        self.encoder = {token: i for i, token in self.decoder.items()}
+        self.byte_decoder = {v: k for k, v in byte_encoder.items()}
+        super().__init__(bos_token=bos_token, eos_token=eos_token, **kwargs)
+
+    @property
+    def vocab_size(self):
+        return len(self.decoder)
+
+    def get_vocab(self):
+        return dict(self.encoder)
+
+    def _tokenize(self, text, **kwargs):
+        return [self.decoder[i] for i in self.model.encode(text, disallowed_special=())]
+
+    def _convert_token_to_id(self, token):
+        return self.encoder[token]
+
+    def _convert_id_to_token(self, index):
+        return self.decoder[index]
+
+    def convert_tokens_to_string(self, tokens):
+        return bytes(self.byte_decoder[c] for c in "".join(tokens)).decode("utf-8", "replace")
+"""
+
+
+def _tiktoken_ranks(texts: list[str], merges: int) -> dict[bytes, int]:
+    """Byte-pair ranks learnt here from `texts`: the 256 bytes, then `merges` merges, each of the
+    most frequent adjacent pair of the texts' words as the merges so far split them."""
+    import collections
+
+    ranks = {bytes([b]): b for b in range(256)}
+    words = collections.Counter(word.encode() for text in texts for word in re.findall(r" ?\S+", text))
+    pieces = {word: [bytes([b]) for b in word] for word in words}
+    for _ in range(merges):
+        pairs = collections.Counter()
+        for word, split in pieces.items():
+            for pair in zip(split, split[1:]):
+                pairs[pair] += words[word]
+        if not pairs:
+            break
+        best = max(pairs, key=lambda pair: (pairs[pair], pair))
+        ranks[best[0] + best[1]] = len(ranks)
+        for word, split in pieces.items():
+            merged, i = [], 0
+            while i < len(split):
+                if split[i:i + 2] == list(best):
+                    merged.append(best[0] + best[1])
+                    i += 2
+                else:
+                    merged.append(split[i])
+                    i += 1
+            pieces[word] = merged
+    return ranks
+
+
+def test_a_tiktoken_tokenizer_of_its_own_code_gives_tiktokens_ids(tmp_path):
+    """Moonlight's and Kimi's tokenizers are tiktoken behind code of their own: tiktoken is in
+    the lock (and the image), and prepare_data --trust-remote-code writes, for each document,
+    the ids tiktoken's own Encoding gives its text (special tokens' text included, as
+    Moonlight's encode() allows them), then the tokenizer's EOS (read back with megatron's
+    IndexedDataset)."""
+    import base64
+
+    import tiktoken
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = ["The cat's hat sat on the mat, and the rat ran.",
+             "Numbers 12345 and 6 7 89 in   spaced    runs\n\nwith lines.",
+             "Ünïcödé, 中文 and 🙂 fall back to bytes the merges never saw.",
+             "[EOS] written in a document is the EOS token's id."]
+    folder = tmp_path / "tiktoken_tokenizer"
+    folder.mkdir()
+    ranks = _tiktoken_ranks(texts * 3, merges=120)
+    (folder / "tiktoken.model").write_text("".join(
+        f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items()))
+    (folder / "tokenization_tiktoken_test.py").write_text(_TIKTOKEN_CODE)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "auto_map": {"AutoTokenizer": ["tokenization_tiktoken_test.TikTokenTokenizer", None]}}))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prefix = str(tmp_path / "data")
+    code, _, err = _in_process("--input", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                               str(folder), "--output-prefix", prefix, "--append-eod",
+                               "--workers", "1", "--trust-remote-code")
+    assert code == 0, err
+
+    namespace: dict = {}
+    exec(compile(_TIKTOKEN_CODE, "tokenization_tiktoken_test.py", "exec"), namespace)
+    eos = len(ranks) + 1
+    reference = tiktoken.Encoding(name="reference", pat_str=namespace["PATTERN"],
+                                  mergeable_ranks=ranks,
+                                  special_tokens={"[BOS]": eos - 1, "[EOS]": eos})
+    dataset = IndexedDataset(prefix + "_text_document")
+    got = [dataset[i].tolist() for i in range(len(dataset))]
+    assert got == [reference.encode(text, allowed_special="all") + [eos] for text in texts]
+    assert got[3][0] == eos  # a special token's text is its id, as megatron's tokenize() gives
+
+    # Code written for transformers 4 (Moonshot's tokenizers until they moved the import): one
+    # line naming what transformers 5 no longer has, nothing written.
+    (folder / "tokenization_tiktoken_test.py").write_text(_TIKTOKEN_CODE.replace(
+        "transformers.convert_slow_tokenizer", "transformers.models.gpt2.tokenization_gpt2"))
+    code, out, err = _in_process("--input", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                                 str(folder), "--output-prefix", str(tmp_path / "old"),
+                                 "--workers", "1", "--trust-remote-code")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1, err
+    assert err.startswith(f"prepare_data: error: cannot load the tokenizer in {folder}: ") and \
+        "cannot import name 'bytes_to_unicode'" in err, err
+    assert _files(str(tmp_path / "old")) == []
+    assert any(len(reference.decode_single_token_bytes(i)) > 2 for i in got[0])  # merges applied
+
+
 def test_a_tokenizer_of_its_own_code_runs_with_trust_remote_code(corpus, prepared, tmp_path):
     """A tokenizer that is code of its folder's own: without --trust-remote-code prepare_data
     refuses in one line naming the flag, and so does a run (megatron's flag), every rank before

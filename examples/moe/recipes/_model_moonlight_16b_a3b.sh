@@ -19,10 +19,10 @@
 VOCAB_SIZE=163840
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 # It is tiktoken behind code of its own (tokenization_moonshot.TikTokenTokenizer), which runs
-# only when asked: prepare_data's and the run's --trust-remote-code, and the tiktoken package.
+# only when asked: prepare_data's and the run's --trust-remote-code (tiktoken is in the lock).
 TOKENIZER_HUB_ID=moonshotai/Moonlight-16B-A3B
 TOKENIZER_HUB_FILES="'tokenizer*' tiktoken.model tokenization_moonshot.py"
-TOKENIZER_HUB_NOTE="its tokenizer is code of its own: pip install tiktoken, then pass --trust-remote-code to prepare_data and EXTRA_ARGS=--trust-remote-code to the run"
+TOKENIZER_HUB_NOTE="its tokenizer is code of its own: pass --trust-remote-code to prepare_data and EXTRA_ARGS=--trust-remote-code to the run"
 MODEL_ARGS=(
   --num-layers 27 --hidden-size 2048 --ffn-hidden-size 11264
   --num-attention-heads 16 --multi-latent-attention
