@@ -115,6 +115,9 @@ def run_megatron_validation(args, env: dict[str, str]):
     pretrain_moe.py runs them (moe_launcher.megatron_validation); a failure raises
     PreflightError quoting megatron's message."""
     view = copy.deepcopy(args)
+    # (megatron's validation reads the run's result-rejected tracker for iterations to skip, and
+    # logs an ERROR where it does not exist yet; the dry run reads no files of the run)
+    view.result_rejected_tracker_filename = None
     out = io.StringIO()
     environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
     environ.update(env)
@@ -213,29 +216,17 @@ class Memory:
         return self.weights + self.grads + self.optimizer
 
 
+def mtp_layer_is_moe(args, layout: Layout) -> bool:
+    """megatron builds each MTP layer with the decoder's last layer's spec (MoE or dense)."""
+    return bool(layout.moe_pattern) and bool(layout.moe_pattern[-1])
+
+
 def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
-    """Parameter + gradient + optimizer bytes on the busiest GPU (activations excluded)."""
+    """Parameter + gradient + optimizer bytes on the busiest GPU (activations excluded): each
+    pipeline stage priced, the most expensive kept (by bytes: the distributed optimizer shards
+    dense and expert state over different numbers of ranks)."""
     stage_sizes = layout.stages if layout.stages[0] >= 0 else [
         args.num_layers // layout.pp] * layout.pp
-    best = None
-    start = 0
-    for s, n_layers in enumerate(stage_sizes):
-        pat = layout.moe_pattern[start:start + n_layers]
-        start += n_layers
-        # (the parameters that are not weight matrices: Muon-family optimizers give them to
-        # another optimizer)
-        scalar = n_layers * c.norms
-        if s == 0:
-            scalar += c.embedding
-        if s == layout.pp - 1:
-            scalar += c.final_norm + (c.output if c.output else (
-                c.embedding if layout.pp > 1 else 0))
-        dense = (scalar + n_layers * c.attention + (len(pat) - sum(pat)) * c.dense_mlp
-                 + sum(pat) * (c.shared + c.router)) // layout.tp
-        expert = sum(pat) * (args.num_experts or 0) * c.expert // (layout.ep * layout.etp)
-        if best is None or dense + expert > best[0] + best[1]:
-            best = (dense, expert, scalar // layout.tp)
-    dense, expert, scalar = best
     low = 2 if (args.bf16 or args.fp16) else 4
     grad = 4  # megatron's fp32 main grads
     optimizer = optimizer_state.state_bytes(args)  # fp32 main copy + the optimizer's state
@@ -251,17 +242,50 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
     else:
         shard_w = shard_g = False
         shard_o = args.use_distributed_optimizer
+    experts = args.num_experts or 0
+    mtp, mtp_moe = args.mtp_num_layers or 0, mtp_layer_is_moe(args, layout)
 
-    def part(nbytes: int, sharded: bool) -> float:
-        return nbytes * (dense / (dense_shard if sharded else 1)
-                         + expert / (layout.edp if sharded else 1))
+    def stage_memory(dense: int, expert: int, scalar: int) -> Memory:
+        def part(nbytes: int, sharded: bool) -> float:
+            return nbytes * (dense / (dense_shard if sharded else 1)
+                             + expert / (layout.edp if sharded else 1))
 
-    dense_divisor = dense_shard if shard_o else 1
-    optimizer_bytes = optimizer.of(
-        (dense - scalar) / dense_divisor + expert / (layout.edp if shard_o else 1),
-        scalar / dense_divisor)
-    return Memory(dense, expert, part(low, shard_w), part(grad, shard_g), optimizer_bytes,
-                  optimizer.not_modelled)
+        dense_divisor = dense_shard if shard_o else 1
+        optimizer_bytes = optimizer.of(
+            (dense - scalar) / dense_divisor + expert / (layout.edp if shard_o else 1),
+            scalar / dense_divisor)
+        return Memory(dense, expert, part(low, shard_w), part(grad, shard_g), optimizer_bytes,
+                      optimizer.not_modelled)
+
+    stages = []
+    start = 0
+    for s, n_layers in enumerate(stage_sizes):
+        pat = layout.moe_pattern[start:start + n_layers]
+        start += n_layers
+        moe_layers, dense_layers = sum(pat), len(pat) - sum(pat)
+        # (the parameters that are not weight matrices: Muon-family optimizers give them to
+        # another optimizer)
+        scalar = n_layers * c.norms
+        if s == 0:
+            scalar += c.embedding
+        if s == layout.pp - 1:
+            scalar += c.final_norm + (c.output if c.output else (
+                c.embedding if layout.pp > 1 else 0))
+            # the MTP layers: megatron's decoder layer, two input norms, the projection of the
+            # concatenated embedding and hidden state, and a final norm; they embed their
+            # input with a copy of the embedding (the output layer's, where tied)
+            scalar += mtp * (c.norms + 3 * c.final_norm)
+            if mtp and layout.pp > 1 and c.output:
+                scalar += c.embedding
+            moe_layers += mtp if mtp_moe else 0
+            dense_layers += 0 if mtp_moe else mtp
+        matrices = (n_layers + (mtp if s == layout.pp - 1 else 0)) * c.attention + \
+            dense_layers * c.dense_mlp + moe_layers * (c.shared + c.router)
+        if s == layout.pp - 1:
+            matrices += mtp * 2 * args.hidden_size * args.hidden_size
+        expert = moe_layers * experts * c.expert // (layout.ep * layout.etp)
+        stages.append(stage_memory((scalar + matrices) // layout.tp, expert, scalar // layout.tp))
+    return max(stages, key=lambda memory: memory.total)
 
 
 def flops_per_iteration(args, config, layout: Layout) -> int:
@@ -270,8 +294,10 @@ def flops_per_iteration(args, config, layout: Layout) -> int:
     moe = expected_moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq)
     stages = layout.stages if layout.stages[0] >= 0 else []
     mtp = args.mtp_num_layers or 0
+    mtp_moe = mtp if mtp_layer_is_moe(args, layout) else 0
     census = LayerCensus(dense=args.num_layers - moe, moe=moe, attention=args.num_layers,
-                         mtp=mtp, per_stage=stages, mtp_attention=mtp, mtp_dense=mtp)
+                         mtp=mtp, per_stage=stages, mtp_attention=mtp, mtp_moe=mtp_moe,
+                         mtp_dense=mtp - mtp_moe)
     shape = ModelShape.from_config(config, padded_vocab(args), args.micro_batch_size,
                                    args.seq_length)
     batch = args.global_batch_size

@@ -48,6 +48,7 @@ GPU_RECIPES = {
     "moonlight_16b_a3b_fsdp": (2, dict(NODES="1", GPUS_PER_NODE="4"),
                                "--expert-model-parallel-size"),
     "moonlight_16b_a3b_pp": (1, dict(GPUS_PER_NODE="6"), "--pipeline-model-parallel-size"),
+    "deepseek_v3_pp": (64, dict(NODES="32"), "--expert-model-parallel-size"),
 }
 # The tiny CPU twin of each Megatron-FSDP recipe (recipes/_cpu_twin.sh), and its recipe.
 TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}
@@ -226,7 +227,8 @@ def test_public_parameter_counts():
     # (GLM-4.5-Air's published 12B active leaves out the embedding and output layer, 1.2B)
     expected = {"mixtral_8x7b_pp": (46.7e9, 12.9e9), "qwen3_30b_a3b_pp": (30.5e9, 3.3e9),
                 "olmoe_1b_7b_pp": (6.9e9, 1.3e9), "deepseek_v2_lite_pp": (15.7e9, None),
-                "glm45_air_pp": (106e9, None), "moonlight_16b_a3b_pp": (16e9, 3e9)}
+                "glm45_air_pp": (106e9, None), "moonlight_16b_a3b_pp": (16e9, 3e9),
+                "deepseek_v3_pp": (671e9, 37e9)}
     for recipe, (total, active) in expected.items():
         flags, world = resolved(recipe)
         args = plan.parse_megatron_flags(flags, world)
@@ -564,16 +566,23 @@ PUBLISHED = Path(__file__).parent / "published_configs"
 # The args a recipe sets otherwise than its published config.json, as its model file says:
 # DeepSeek-V2-Lite is trained with plain rope at its pre-extension 4096 positions, not with the
 # published YaRN extension to 163840 (megatron's fused MLA rope computes yarn only).
-RECIPE_OWN_ARGS = {"deepseek_v2_lite_pp": {"rope_type", "rotary_scaling_factor", "mscale",
-                                           "mscale_all_dim", "max_position_embeddings",
-                                           "apply_rope_fusion"}}
+# DeepSeek-V3 is trained as its paper did: the same rope choice at 4096 positions, its
+# sequence-wise balance loss and its multi-token-prediction module, which config.json does not
+# state (import-hf does not map the published MTP layer: it says so).
+_PLAIN_ROPE_BEFORE_YARN = {"rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+                           "max_position_embeddings", "apply_rope_fusion"}
+RECIPE_OWN_ARGS = {"deepseek_v2_lite_pp": _PLAIN_ROPE_BEFORE_YARN,
+                   "deepseek_v3_pp": _PLAIN_ROPE_BEFORE_YARN | {
+                       "moe_router_load_balancing_type", "moe_aux_loss_coeff", "mtp_num_layers",
+                       "mtp_loss_scaling_factor"}}
 
 
 @pytest.mark.parametrize("recipe, published", [("qwen3_30b_a3b_pp", "qwen3_30b_a3b"),
                                                ("mixtral_8x7b_pp", "mixtral_8x7b"),
                                                ("glm45_air_pp", "glm45_air"),
                                                ("deepseek_v2_lite_pp", "deepseek_v2_lite"),
-                                               ("moonlight_16b_a3b_pp", "moonlight_16b_a3b")])
+                                               ("moonlight_16b_a3b_pp", "moonlight_16b_a3b"),
+                                               ("deepseek_v3_pp", "deepseek_v3")])
 def test_recipe_flags_are_what_import_hf_derives_from_the_published_config(
         recipe, published, tmp_path):
     """Both ways. The recipe's megatron args equal those of the recipe followed by the flags

@@ -336,6 +336,9 @@ PUBLISHED = REPO / "tests" / "examples" / "published_configs"
     # multi-latent attention with q in one projection, DeepSeek's sequence-wise balance loss;
     # the published 16B
     ("moonlight_16b_a3b", "DeepseekV3ForCausalLM", 16, "seq_aux_loss"),
+    # DeepSeek-V3: q in two projections, its yarn, 8 expert groups choosing 4; the published
+    # 671B (its MTP layer, which transformers' model does not build, left out by both)
+    ("deepseek_v3", "DeepseekV3ForCausalLM", 671, "--q-lora-rank"),
 ])
 def test_published_config_builds_with_transformers_parameter_count(published, architecture,
                                                                    billions, flag, tmp_path,

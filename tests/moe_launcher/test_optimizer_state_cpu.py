@@ -58,7 +58,7 @@ def test_both_memory_lines_price_what_the_optimizer_keeps(run, tmp_path):
 def test_an_optimizer_whose_state_is_not_modelled_is_priced_as_adam_and_said():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert plan.plan([*TINY_MODEL, "--optimizer", "soap"], 1) == 0
+        assert plan.plan([*TINY_MODEL, "--train-iters", "1", "--optimizer", "soap"], 1) == 0
     notes = [line for line in out.getvalue().splitlines() if "not modelled" in line]
     assert notes == ["[plan] optimizer memory: --optimizer soap's matrix state is not "
                      "modelled; priced as fp32 Adam moments"], out.getvalue()
