@@ -241,7 +241,8 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
         shard_o = strategy != "no_shard"
     else:
         shard_w = shard_g = False
-        shard_o = args.use_distributed_optimizer
+        # (--optimizer dist_muon: megatron's layer-wise distributed optimizer without the flag)
+        shard_o = args.use_distributed_optimizer or args.optimizer == "dist_muon"
     experts = args.num_experts or 0
     mtp, mtp_moe = args.mtp_num_layers or 0, mtp_layer_is_moe(args, layout)
 

@@ -29,24 +29,36 @@ from megatron_patches.accounting import layer_census  # registered first: this p
 from megatron_patches.registry import Patch, register
 
 
+# megatron's layer-wise distributed optimizer (what --use-distributed-optimizer gives Muon's
+# matrices) gives each data-parallel rank whole parameters, not an even slice of them.
+LAYER_WISE_NOTE = (" (the even share over data-parallel ranks: the layer-wise distributed "
+                   "optimizer gives each rank whole parameters, so ranks differ)")
+
+
+def layer_wise(args) -> bool:
+    return bool(getattr(args, "use_layer_wise_distributed_optimizer", False))
+
+
 @dataclasses.dataclass(frozen=True)
 class ParameterCensus:
     total: int  # unique parameters of the whole model built
     most_loaded_rank: int  # parameters held by the rank that holds the most
     weight_and_optimizer_bytes: float  # on the rank with the most such bytes
+    share_note: str = ""  # what the figure is where it cannot be the busiest rank's
 
     @classmethod
     def of(cls, built: BuiltModel, args) -> ParameterCensus:
         return cls(built.unique_parameters,
                    max(held.total for held in built.held_per_rank),
                    max(weight_and_optimizer_bytes(held, built.parallelism, args)
-                       for held in built.held_per_rank))
+                       for held in built.held_per_rank),
+                   LAYER_WISE_NOTE if layer_wise(args) else "")
 
     def lines(self) -> list[str]:
         return [f"[megatron_patches] parameters of the model built: total {self.total}, "
                 f"most loaded rank {self.most_loaded_rank}",
                 f"[megatron_patches] weight and optimizer memory on the most loaded rank: "
-                f"{self.weight_and_optimizer_bytes / 2**20:.2f} MB"]
+                f"{self.weight_and_optimizer_bytes / 2**20:.2f} MB{self.share_note}"]
 
 
 def weight_and_optimizer_bytes(held: HeldElements, parallelism, args) -> float:
@@ -58,7 +70,8 @@ def weight_and_optimizer_bytes(held: HeldElements, parallelism, args) -> float:
 
     def plain(elements: int, scalar: int, replicas: int) -> float:
         # the distributed optimizer shards main weights and state over the parameter's replicas
-        shards = replicas if args.use_distributed_optimizer else 1
+        # (megatron turns --use-distributed-optimizer into its layer-wise one for Muon)
+        shards = replicas if args.use_distributed_optimizer or layer_wise(args) else 1
         return (weight + gradient) * elements + state.of(elements - scalar, scalar) / shards
 
     # DTensor parameters: what the rank keeps of their weights, gradients and main weights, and

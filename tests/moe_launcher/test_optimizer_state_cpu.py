@@ -55,6 +55,27 @@ def test_both_memory_lines_price_what_the_optimizer_keeps(run, tmp_path):
     assert (adam_bf16 == kept["bytes"]) == (run == "adam-bf16"), (adam_bf16, kept)
 
 
+def test_muons_layer_wise_distributed_optimizer_is_priced_as_the_even_share(tmp_path):
+    """bf16 Muon with --use-distributed-optimizer on 2 data-parallel ranks: megatron gives the
+    matrices its layer-wise distributed optimizer, which hands each rank whole parameters, so
+    the ranks keep different bytes. Both lines print the ranks' mean (the even share) and say so
+    in the log; before, the log's priced the run as unsharded (megatron turns the flag off for
+    Muon), above every rank."""
+    flags = [*RUNS["muon-bf16"], "--use-distributed-optimizer", "--train-iters", "1"]
+    log = launch(2, flags, env={"MEMORY_DIR": str(tmp_path)}, script=OBSERVED).check().log
+    kept = [json.loads((tmp_path / f"memory_rank{rank}.json").read_text())["bytes"]
+            for rank in range(2)]
+    line = MEMORY.search(log)
+    assert line.group(1) == f"{sum(kept) / 2 / 2**20:.2f}", kept
+    assert "the even share over data-parallel ranks" in log[line.end():line.end() + 200]
+    assert kept[0] != kept[1] and max(kept) > float(line.group(1)) * 2**20
+    flags_dp2, _ = plan.launcher_view(flags)
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = plan.parse_megatron_flags(flags_dp2, 2)
+    memory = plan.memory_per_gpu(args, plan.count_parameters(args), plan.check_layout(args))
+    assert f"{memory.total / 2**20:.2f}" == line.group(1)
+
+
 def test_an_optimizer_whose_state_is_not_modelled_is_priced_as_adam_and_said():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
