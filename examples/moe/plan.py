@@ -221,6 +221,17 @@ def mtp_layer_is_moe(args, layout: Layout) -> bool:
     return bool(layout.moe_pattern) and bool(layout.moe_pattern[-1])
 
 
+def mtp_layer_parameters(args, c: Counts, layout: Layout) -> tuple[int, int, int]:
+    """One MTP layer's parameters: (not matrices, matrices, routed experts). megatron's decoder
+    layer of the last decoder layer's kind, two input norms, the projection of the concatenated
+    embedding and hidden state (2h x h) and a final norm."""
+    moe = mtp_layer_is_moe(args, layout)
+    matrices = c.attention + 2 * args.hidden_size ** 2 + (
+        c.shared + c.router if moe else c.dense_mlp)
+    return (c.norms + 3 * c.final_norm, matrices,
+            (args.num_experts or 0) * c.expert if moe else 0)
+
+
 def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
     """Parameter + gradient + optimizer bytes on the busiest GPU (activations excluded): each
     pipeline stage priced, the most expensive kept (by bytes: the distributed optimizer shards
@@ -244,7 +255,8 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
         # (--optimizer dist_muon: megatron's layer-wise distributed optimizer without the flag)
         shard_o = args.use_distributed_optimizer or args.optimizer == "dist_muon"
     experts = args.num_experts or 0
-    mtp, mtp_moe = args.mtp_num_layers or 0, mtp_layer_is_moe(args, layout)
+    mtp = args.mtp_num_layers or 0
+    mtp_scalar, mtp_matrices, mtp_experts = mtp_layer_parameters(args, c, layout)
 
     def stage_memory(dense: int, expert: int, scalar: int) -> Memory:
         def part(nbytes: int, sharded: bool) -> float:
@@ -269,22 +281,20 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
         scalar = n_layers * c.norms
         if s == 0:
             scalar += c.embedding
+        matrices = n_layers * c.attention + dense_layers * c.dense_mlp + moe_layers * (
+            c.shared + c.router)
+        routed = moe_layers * experts * c.expert
         if s == layout.pp - 1:
             scalar += c.final_norm + (c.output if c.output else (
                 c.embedding if layout.pp > 1 else 0))
-            # the MTP layers: megatron's decoder layer, two input norms, the projection of the
-            # concatenated embedding and hidden state, and a final norm; they embed their
-            # input with a copy of the embedding (the output layer's, where tied)
-            scalar += mtp * (c.norms + 3 * c.final_norm)
+            # the MTP layers, which embed their input with a copy of the embedding (the output
+            # layer's, where tied)
+            scalar += mtp * mtp_scalar
             if mtp and layout.pp > 1 and c.output:
                 scalar += c.embedding
-            moe_layers += mtp if mtp_moe else 0
-            dense_layers += 0 if mtp_moe else mtp
-        matrices = (n_layers + (mtp if s == layout.pp - 1 else 0)) * c.attention + \
-            dense_layers * c.dense_mlp + moe_layers * (c.shared + c.router)
-        if s == layout.pp - 1:
-            matrices += mtp * 2 * args.hidden_size * args.hidden_size
-        expert = moe_layers * experts * c.expert // (layout.ep * layout.etp)
+            matrices += mtp * mtp_matrices
+            routed += mtp * mtp_experts
+        expert = routed // (layout.ep * layout.etp)
         stages.append(stage_memory((scalar + matrices) // layout.tp, expert, scalar // layout.tp))
     return max(stages, key=lambda memory: memory.total)
 
@@ -368,7 +378,10 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     print(f"[plan] layer split checked by moe_launcher.model.layer_layout; megatron validate_args "
           f"and TransformerConfig accept the flags (simulated H100 with Transformer Engine"
           f"{', ' + ' '.join(f'{k}={v}' for k, v in env.items()) if env else ''})")
-    print(f"[plan] parameters: total {human(total)}, active per token {human(active)}; "
+    mtp = args.mtp_num_layers or 0
+    in_mtp = (f" (+ {human(mtp * sum(mtp_layer_parameters(args, counts, layout)))} in "
+              f"{mtp} MTP layer{'s' if mtp > 1 else ''})" if mtp else "")
+    print(f"[plan] parameters: total {human(total)}{in_mtp}, active per token {human(active)}; "
           f"{sum(layout.moe_pattern)} MoE + {args.num_layers - sum(layout.moe_pattern)} dense "
           f"layers, {args.num_experts or 0} experts top-{args.moe_router_topk}")
     print(f"[plan] per-GPU shard of the busiest stage, before DP/FSDP sharding: "

@@ -63,3 +63,12 @@ def test_the_dry_run_prints_the_memory_and_flops_of_the_model_built(run):
         assert memory.dense_params + memory.expert_params == most_loaded
     else:
         assert memory.dense_params + memory.expert_params < most_loaded
+    # the total, and what MTP layers add to it, each counted once (the last stage's copy of the
+    # embedding for the MTP layer is megatron's shared embedding)
+    counts, layout = plan.count_parameters(args), plan.check_layout(args)
+    decoder, _ = plan.totals(args, counts, layout.moe_pattern)
+    mtp = (args.mtp_num_layers or 0) * sum(plan.mtp_layer_parameters(args, counts, layout))
+    assert decoder + mtp == total
+    said = re.search(r"\[plan\] parameters: total (\S+)(?: \(\+ (\S+) in 1 MTP layer\))?,",
+                     dry_run)
+    assert said.groups() == (plan.human(decoder), plan.human(mtp) if mtp else None), dry_run
