@@ -10,7 +10,9 @@ memory (NVIDIA/Megatron-LM#1778). This patch reports, from the record of the mod
 prices them as the run keeps them: weights in the run's dtype, gradients in megatron's gradient
 buffer's, and the optimizer's main copies and state by moe_launcher/optimizer_state.py (megatron's
 estimate prices every run as bf16 with Adam: 18 bytes per parameter without the distributed
-optimizer, where a bf16 Muon run keeps 14 and an fp32 Adam run 16). Under Megatron-FSDP a rank
+optimizer, where a bf16 Muon run keeps 14 for each weight matrix and an fp32 Adam run 16; and
+it prices Muon under --use-distributed-optimizer, which megatron turns into its layer-wise
+distributed optimizer, as unsharded). Under Megatron-FSDP a rank
 holds its DTensor shards of the optimizer state and, as the sharding strategy has it, shards or
 whole copies of the weights and gradients, in Megatron-FSDP's dtypes
 (moe_launcher/model/built_model.py).

@@ -33,6 +33,10 @@ RUNS = {
     "muon-bf16": [*TINY_MODEL, "--optimizer", "muon"],
     # no main copies; the embedding, output layer and norms: Lion's one moment
     "muon-lion-fp32": [*FP32_MODEL, "--optimizer", "muon", "--muon-scalar-optimizer", "lion"],
+    # weight matrices: Lion's one moment; the rest: Adam's two (not --muon-scalar-optimizer)
+    "lion-bf16": [*TINY_MODEL, "--optimizer", "lion"],
+    # one momentum for every parameter
+    "sgd-bf16": [*TINY_MODEL, "--optimizer", "sgd"],
 }
 
 
