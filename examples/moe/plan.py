@@ -8,8 +8,8 @@ own parser (megatron.training.arguments.parse_args, so flag parsing is identical
 run), checks the layout arithmetic against the world size (the per-stage layer split with
 moe_launcher.model.layer_layout) and runs the launcher's other checks of the flags (not those of
 files and packages: the dry run may run on another machine), runs megatron's validate_args and
-TransformerConfig checks on a simulated H100, and prints the layout, the per-GPU parameter + optimizer memory estimate and
-the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
+TransformerConfig checks on a simulated H100, and prints the layout, the per-GPU parameter +
+optimizer memory estimate and the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
 trained, no process group is created. Exits 1 (and names the flag and the fix) when the
 layout cannot run, 2 when the flags do not parse.
 
@@ -216,7 +216,7 @@ class Memory:
         return self.weights + self.grads + self.optimizer
 
 
-def mtp_layer_is_moe(args, layout: Layout) -> bool:
+def mtp_layer_is_moe(layout: Layout) -> bool:
     """megatron builds each MTP layer with the decoder's last layer's spec (MoE or dense)."""
     return bool(layout.moe_pattern) and bool(layout.moe_pattern[-1])
 
@@ -225,7 +225,7 @@ def mtp_layer_parameters(args, c: Counts, layout: Layout) -> tuple[int, int, int
     """One MTP layer's parameters: (not matrices, matrices, routed experts). megatron's decoder
     layer of the last decoder layer's kind, two input norms, the projection of the concatenated
     embedding and hidden state (2h x h) and a final norm."""
-    moe = mtp_layer_is_moe(args, layout)
+    moe = mtp_layer_is_moe(layout)
     matrices = c.attention + 2 * args.hidden_size ** 2 + (
         c.shared + c.router if moe else c.dense_mlp)
     return (c.norms + 3 * c.final_norm, matrices,
@@ -305,7 +305,7 @@ def flops_per_iteration(args, config, layout: Layout) -> int:
     moe = expected_moe_layers(args.num_layers, args.num_experts, args.moe_layer_freq)
     stages = layout.stages if layout.stages[0] >= 0 else []
     mtp = args.mtp_num_layers or 0
-    mtp_moe = mtp if mtp_layer_is_moe(args, layout) else 0
+    mtp_moe = mtp if mtp_layer_is_moe(layout) else 0
     census = LayerCensus(dense=args.num_layers - moe, moe=moe, attention=args.num_layers,
                          mtp=mtp, per_stage=stages, mtp_attention=mtp, mtp_moe=mtp_moe,
                          mtp_dense=mtp - mtp_moe)
