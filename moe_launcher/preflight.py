@@ -542,11 +542,17 @@ def check_muon_precision(args) -> None:
 
 
 def adaptive_muon_step_failure() -> str | None:
-    """Why megatron's TensorParallelAdaptiveMuon cannot take a step, or None when it can: one
-    step on a 2 x 2 matrix, on the CPU, without process groups."""
+    """Why megatron's TensorParallelAdaptiveMuon cannot take a step, or None when it can (or
+    when emerging-optimizers is not installed: megatron names it): one step on a 2 x 2 matrix,
+    on the CPU, without process groups."""
     import torch
-    from megatron.core.optimizer.emerging_optimizers import TensorParallelAdaptiveMuon
+    from megatron.core.optimizer.emerging_optimizers import (
+        HAVE_EMERGING_OPTIMIZERS,
+        TensorParallelAdaptiveMuon,
+    )
 
+    if not HAVE_EMERGING_OPTIMIZERS:
+        return None
     matrix = torch.nn.Parameter(torch.ones(2, 2))
     matrix.grad = torch.eye(2)
     try:
@@ -556,13 +562,13 @@ def adaptive_muon_step_failure() -> str | None:
     return None
 
 
-@preflight_check("adaptive-muon-step")
+@preflight_check("adaptive-muon-step", machine=True)
 def check_adaptive_muon_step(args) -> None:
     # megatron-core 0.19.2's TensorParallelAdaptiveMuon hands its step to emerging-optimizers'
     # AdaptiveMuon.step, which in 0.3.0 (the only release on PyPI) scales the update by
     # self.scale_mode after the second moment; megatron's class never sets that attribute, so
-    # every rank dies at its first update, after the model is built. Decided by a step, so that
-    # a release that mends it passes.
+    # every rank dies at its first update, after the model is built. Decided by a step of the
+    # installed packages (hence of the machine), so that a release that mends it passes.
     if args.optimizer != "adaptive_muon":
         return
     failure = adaptive_muon_step_failure()
