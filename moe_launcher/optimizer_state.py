@@ -3,7 +3,7 @@ the dry-run planner (examples/moe/plan.py) and of the training log's weight-and-
 line (megatron_patches/accounting/parameter_census.py).
 
 megatron-core 0.19.2 keeps, per parameter element (judged against the tensors runs keep after
-their first step in tests/moe_launcher/test_optimizer_state_cpu.py):
+their first step in tests/moe_launcher/test_optimizer_memory_cpu.py):
 * under mixed precision (bf16/fp16), an fp32 main copy (4 bytes);
 * Adam: two fp32 moments; SGD: one momentum unless `--sgd-momentum 0`;
 * emerging-optimizers' (Muon, adaptive Muon, Lion, ...): for each 2-D weight matrix that is
