@@ -557,6 +557,44 @@ def test_fsdp_twin_trains_and_saves(twin, tmp_path):
     assert "successfully saved checkpoint from iteration       2" in run.log
 
 
+# deepseek_v3_pp's model flags at tiny sizes (each size flag it sets, and a layer pattern of one
+# dense layer then MoE layers, as its three dense layers then MoE layers).
+_DEEPSEEK_V3_TINY = {
+    "--num-layers": "4", "--hidden-size": "64", "--ffn-hidden-size": "128",
+    "--num-attention-heads": "4", "--q-lora-rank": "32", "--kv-lora-rank": "32",
+    "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
+    "--seq-length": "64", "--max-position-embeddings": "64", "--num-experts": "16",
+    "--moe-ffn-hidden-size": "32", "--moe-shared-expert-intermediate-size": "32",
+    "--moe-layer-freq": "([0]*1+[1]*3)"}
+
+
+@pytest.mark.slow
+def test_deepseek_v3_model_trains_with_its_mtp_module_at_pp2():
+    """deepseek_v3_pp's model flags as its model file sets them (MLA with q in two projections,
+    the sigmoid router with expert bias choosing 8 experts in 4 of 8 groups, the sequence-wise
+    loss, one MTP module at weight 0.3), at tiny sizes, train on 4 CPU ranks as the recipe lays
+    them out: pipeline stages split unevenly (1 + 3 layers, the MTP module on the last), experts
+    over EP 2, the distributed optimizer. Every step logs finite losses, the MTP module's too."""
+    from _launch import launch
+
+    model = recipe_array("deepseek_v3_pp", "MODEL_ARGS")
+    assert set(_DEEPSEEK_V3_TINY) <= set(model)
+    model = [_DEEPSEEK_V3_TINY.get(previous, arg) for previous, arg in zip(["", *model], model)]
+    run = launch(4, [*model, "--pipeline-model-parallel-size", "2",
+                     "--decoder-first-pipeline-num-layers", "1",
+                     "--decoder-last-pipeline-num-layers", "3",
+                     "--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                     "--moe-router-dtype", "fp32", "--bf16", "--micro-batch-size", "1",
+                     "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "3",
+                     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+                     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000"])
+    assert run.returncode == 0, run.log[-6000:]
+    losses = re.findall(r"iteration +\d+/ +3 \|.* lm loss: ([0-9.E+-]+) .*"
+                        r"seq_load_balancing_loss: ([0-9.E+-]+) .*mtp_1 loss: ([0-9.E+-]+)",
+                        run.log)
+    assert len(losses) == 3 and all(0 < float(v) < 100 for step in losses for v in step), losses
+
+
 # ------------------------------------------------------------------------------------------
 # The recipes against the published architectures (issue 22): the reference is each model's
 # config.json as published on the Hugging Face Hub (tests/examples/published_configs/).
