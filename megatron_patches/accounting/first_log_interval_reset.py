@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 
 from megatron_patches import registry
+from megatron_patches.accounting import training_log_sandbox
 from megatron_patches.registry import Patch, PatchContext, register
 
 NAME = "first-log-interval-reset"
@@ -64,61 +64,14 @@ def _apply() -> None:
     training.training_log = training_log
 
 
-class _ProbeArgs(types.SimpleNamespace):
-    """megatron's args for the probe: the numbers training_log computes with; any other flag
-    reads None (off)."""
-
-    def __getattr__(self, name):
-        return None
-
-
-class _ProbeTimers:
-    def __call__(self, name, *args, **kwargs):
-        return self
-
-    def elapsed(self, *args, **kwargs) -> float:
-        return 1.0
-
-    def log(self, *args, **kwargs) -> None:
-        pass
-
-    def write(self, *args, **kwargs) -> None:
-        pass
-
-
 def _keeps_first_boundary_iteration(megatron_log) -> bool:
     """Runs megatron's training_log for iteration 1 with --log-interval 1 (a boundary, and the
-    process's first iteration) and says whether it kept the iteration in its sums.
-
-    megatron's own code object runs with its module's globals, except stand-ins for the args,
-    timers, writers, loggers and the rank-last print (a copy of the globals: nothing of megatron
-    is changed). No losses are passed, so no tensor is made; the advanced-iteration count is
-    what tells.
-    """
-    nothing = types.SimpleNamespace(track_app_tag=lambda *a, **k: None,
-                                    track_e2e_metrics=lambda *a, **k: None)
-    args = _ProbeArgs(log_interval=1, tensorboard_log_interval=1, timing_log_level=0,
-                      micro_batch_size=1, data_parallel_size=1, gtp_weight_remat_size=1,
-                      seq_length=1, train_iters=2, world_size=1, consumed_train_samples=0,
-                      skipped_train_samples=0)
-    timers = _ProbeTimers()
-    stand_ins = dict(
-        get_args=lambda: args, get_timers=lambda: timers,
-        get_tensorboard_writer=lambda: None, get_wandb_writer=lambda: None,
-        get_one_logger=lambda: None, get_energy_monitor=lambda: None,
-        one_logger_utils=nothing, has_rl_utils=False, get_num_microbatches=lambda: 1,
-        reduce_max_stat_across_model_parallel_group=lambda value, group=None: value,
-        num_floating_point_operations=lambda *a, **k: 0.0, print_rank_last=lambda message: None)
-    sandboxed = types.FunctionType(megatron_log.__code__,
-                                   {**megatron_log.__globals__, **stand_ins},
-                                   megatron_log.__name__, megatron_log.__defaults__,
-                                   megatron_log.__closure__)
-    sandboxed.__kwdefaults__ = megatron_log.__kwdefaults__
+    process's first iteration; training_log_sandbox) and says whether it kept the iteration in
+    its sums. No losses are passed, so no tensor is made; the advanced-iteration count is what
+    tells."""
     sums: dict = {}
-    sandboxed(loss_dict={}, total_loss_dict=sums, learning_rate=None, iteration=1,
-              loss_scale=1.0, report_memory_flag=False, skipped_iter=0, grad_norm=None,
-              params_norm=None, num_zeros_in_grad=None, max_attention_logit=None,
-              is_first_iteration=True)
+    training_log_sandbox.run_training_log(megatron_log, training_log_sandbox.one_rank_args(),
+                                          sums, is_first_iteration=True)
     return sums.get(_ADVANCED, 0) != 0
 
 
