@@ -24,11 +24,10 @@ FP32 = 4
 
 # fp32 state tensors per parameter element of Adam and Lion (also the scalar optimizers).
 _MOMENTS = {"adam": 2, "lion": 1}
-# fp32 state tensors per element of a 2-D weight matrix under emerging-optimizers' optimizers,
-# and which flag, if any, names the optimizer of their other parameters (Adam otherwise).
+# fp32 state tensors per element of a 2-D weight matrix under emerging-optimizers' optimizers;
+# their other parameters go to Adam, or for the Muons (platform_defaults.MUON_OPTIMIZERS) to
+# --muon-scalar-optimizer.
 _MATRIX_MOMENTS = {"muon": 1, "dist_muon": 1, "adaptive_muon": 2, "lion": 1}
-_SCALAR_OPTIMIZER_FLAG = {"muon": "muon_scalar_optimizer", "dist_muon": "muon_scalar_optimizer",
-                          "adaptive_muon": "muon_scalar_optimizer"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +52,10 @@ def state_bytes(args) -> StateBytes:
     if getattr(args, "use_precision_aware_optimizer", False):
         return per_element(_MOMENTS["adam"], "--use-precision-aware-optimizer's state dtypes")
     if args.optimizer in _MATRIX_MOMENTS:
-        flag = _SCALAR_OPTIMIZER_FLAG.get(args.optimizer)
-        scalar = _MOMENTS[getattr(args, flag) if flag else "adam"]
+        from moe_launcher.platform_defaults import MUON_OPTIMIZERS
+
+        scalar = _MOMENTS[args.muon_scalar_optimizer if args.optimizer in MUON_OPTIMIZERS
+                          else "adam"]
         return StateBytes(main_copy + FP32 * _MATRIX_MOMENTS[args.optimizer],
                           main_copy + FP32 * scalar)
     if args.optimizer == "sgd":
