@@ -148,6 +148,8 @@ def megatron_flags(family: Family, config) -> list[str]:
     if not all(moe_layers):
         # megatron's list form (its integer form counts from layer 0, HF's sparse step from 1)
         flags += ["--moe-layer-freq", f"[{','.join(str(int(moe)) for moe in moe_layers)}]"]
+    if mtp_layers := family.mtp_layers(config):
+        flags += ["--mtp-num-layers", str(mtp_layers)]
     return flags + family.flags(config)
 
 
@@ -196,6 +198,10 @@ def check_exportable(family: Family, args, moe_layers: list[bool]) -> None:
     if not all(moe_layers) and family.dense_mlp is None:
         raise ConvertError(f"the checkpoint's moe_layer_freq={args.moe_layer_freq!r} builds dense "
                            f"layers, which {family.architecture} does not have")
+    if (args.mtp_num_layers or 0) > 1 and getattr(args, "mtp_use_repeated_layer", False):
+        raise ConvertError(f"the checkpoint's mtp_use_repeated_layer=True: its "
+                           f"{args.mtp_num_layers} MTP depths run one layer, which Hugging Face "
+                           f"checkpoints hold once a depth")
     balancing = ("aux_loss", "none", *(("seq_aux_loss",) if family.seq_aux_key else ()))
     if _single(args.moe_router_load_balancing_type,
                "moe_router_load_balancing_type") not in balancing:

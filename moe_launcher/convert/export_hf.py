@@ -19,7 +19,7 @@ from .families import family_of_args
 from .hf_files import ShardWriter, copy_tokenizer, read_config_json, read_with_progress
 from .staging import check_target, staged_folder
 from .errors import ConvertError
-from .tensor_map import hf_shapes, rules, split, unmapped
+from .tensor_map import hf_shapes, mtp_copies, rules, split, unmapped
 
 
 # What a checkpoint does not hold and --config-from supplies: the special token ids (and the
@@ -43,8 +43,10 @@ def _source_config(config_from: str, family, derived: dict) -> dict:
     config_class = getattr(transformers, family.config_class)
     source_config = config_class(**source)
     known = source_config.to_dict()
-    # the family's load-balancing keys are training settings too (DeepSeek's aux_loss_alpha)
-    not_compared = _TRAINING_KEYS | _LAYER_KEYS | {family.aux_loss_key, family.seq_aux_key}
+    # the family's load-balancing keys are training settings too (DeepSeek's aux_loss_alpha), and
+    # a run may train the model with or without its MTP layers (the export writes its own count)
+    not_compared = _TRAINING_KEYS | _LAYER_KEYS | {family.aux_loss_key, family.seq_aux_key,
+                                                   family.mtp_layers_key}
     for key, value in derived.items():
         # (None: a key the config leaves to its modelling code, e.g. Mixtral's head_dim)
         if key in not_compared or known.get(key) is None:
@@ -112,7 +114,9 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
           f"checkpoint's args compute ({', '.join(f'{k}={v}' for k, v in family.marks.items())})",
           flush=True)
     reader = megatron_side.open_reader(model, path)
-    mapping = rules(family, config)
+    # (each MTP layer's copies of the embedding and output head too, as DeepSeek-V3's
+    # checkpoint holds them: vLLM's MTP loader reads them from there)
+    mapping = rules(family, config) + mtp_copies(family, config)
     planned = [(name, shape, params[rule.megatron].dtype) for rule in mapping
                for name, shape in zip(rule.hf, hf_shapes(rule, params[rule.megatron].shape,
                                                          config))]

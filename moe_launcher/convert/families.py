@@ -57,10 +57,10 @@ class Family:
     # gate, up and down projections (None: every layer of the family is a MoE layer).
     moe_layers: Callable[[object], list[bool]] = lambda config: [True] * config.num_hidden_layers
     dense_mlp: tuple[str, str, str] | None = None
-    # HF layer indices past the decoder whose tensors a checkpoint may hold and the family's
-    # transformers model ignores (not imported, said in a line), and what they are.
-    ignored_layers: Callable[[object], range] = lambda config: range(0)
-    ignored_layers_are: str = ""
+    # The config key counting the multi-token-prediction layers that follow the decoder's in the
+    # family's checkpoints (megatron's --mtp-num-layers), if it has them. transformers' model
+    # builds none; vLLM's MTP layer of the family computes what megatron's does (tensor_map).
+    mtp_layers_key: str | None = None
 
     @property
     def mapped_args(self) -> frozenset:
@@ -69,7 +69,12 @@ class Family:
                    "moe_shared_expert_intermediate_size": self.shared_expert,
                    "moe_shared_expert_gate": self.shared_expert_gate,
                    "moe_router_enable_expert_bias": self.expert_bias}
+        implied["mtp_num_layers"] = self.mtp_layers_key
         return self.maps_args | {arg for arg, tensors in implied.items() if tensors}
+
+    def mtp_layers(self, config) -> int:
+        """How many multi-token-prediction layers a config of the family has."""
+        return (getattr(config, self.mtp_layers_key, 0) or 0) if self.mtp_layers_key else 0
 
 
 def refuse_if(condition: bool, key: str, value, why: str) -> None:
@@ -177,8 +182,7 @@ def _sigmoid_router_config(args, dense_layers: list[int]) -> dict:
             "norm_topk_prob": args.moe_router_topk > 1,
             "n_group": args.moe_router_num_groups or 1,
             "topk_group": args.moe_router_group_topk or 1,
-            # the converter maps no multi-token-prediction layer (transformers' model has none)
-            "num_nextn_predict_layers": 0}
+            "num_nextn_predict_layers": args.mtp_num_layers or 0}
 
 
 def _glm4_moe_config(args, dense_layers: list[int]) -> dict:
@@ -286,13 +290,6 @@ _GATE_UP_DOWN_SHARED_EXPERTS = tuple(f"mlp.shared_experts.{p}_proj.weight"
                                      for p in ("gate", "up", "down"))
 
 
-def _mtp_layers(config) -> range:
-    """GLM-4.5's and DeepSeek-V3's multi-token-prediction layers, which follow the decoder's in
-    their checkpoints."""
-    return range(config.num_hidden_layers,
-                 config.num_hidden_layers + config.num_nextn_predict_layers)
-
-
 # GLM-4.5's and DeepSeek's layers: leading dense layers, then MoE layers of routed experts and
 # gateless shared experts.
 _LEADING_DENSE_SHARED_EXPERT_LAYERS = dict(
@@ -303,7 +300,7 @@ _LEADING_DENSE_SHARED_EXPERT_LAYERS = dict(
 # GLM-4.5's and DeepSeek-V3's router (score-correction bias) and their multi-token-prediction
 # layers.
 _SIGMOID_ROUTER_MTP = dict(expert_bias="mlp.gate.e_score_correction_bias",
-                           ignored_layers=_mtp_layers)
+                           mtp_layers_key="num_nextn_predict_layers")
 # DeepSeek's own config.json keys of its load-balancing loss (transformers' configs keep them as
 # they are): aux_loss_alpha, sequence-level with seq_aux.
 _DEEPSEEK_AUX_LOSS = dict(aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux")
@@ -339,9 +336,7 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
                   "moe_shared_expert_gate": False, "multi_latent_attention": False},
            qkv_bias_key="attention_bias",
            maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
-                                "moe_router_num_groups", "rotary_percent"}),
-           ignored_layers_are="multi-token-prediction layers, which transformers' "
-                              "Glm4MoeForCausalLM ignores too"),
+                                "moe_router_num_groups", "rotary_percent"})),
     Family(architecture="DeepseekV3ForCausalLM", config_class="DeepseekV3Config",
            **_LEADING_DENSE_SHARED_EXPERT_LAYERS, **_SIGMOID_ROUTER_MTP,
            # the expert bias and, where the config states one, DeepSeek's complementary
@@ -352,9 +347,7 @@ FAMILIES: dict[str, Family] = {family.architecture: family for family in (
            marks={"multi_latent_attention": True, "moe_router_score_function": "sigmoid",
                   "moe_router_enable_expert_bias": True, "moe_shared_expert_gate": False},
            maps_args=frozenset({"moe_router_score_function", "moe_router_topk_scaling_factor",
-                                "moe_router_num_groups", "multi_latent_attention"}),
-           ignored_layers_are="multi-token-prediction layers, which transformers' "
-                              "DeepseekV3ForCausalLM ignores too"),
+                                "moe_router_num_groups", "multi_latent_attention"})),
     Family(architecture="DeepseekV2ForCausalLM", config_class="DeepseekV2Config",
            **_LEADING_DENSE_SHARED_EXPERT_LAYERS,
            qk_norm=lambda config: False, attention="mla",

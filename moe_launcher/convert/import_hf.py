@@ -8,11 +8,13 @@ config.json's vocab_size, every shard's header, each HF tensor's shape (against 
 config.json implies) and dtype, and every tensor's place in the model. The weights stream: the
 model is built on the meta device and each megatron parameter is made from its HF tensors (read
 once) when megatron's save writes it; a tensor holding NaN or Inf stops the conversion there,
-and the staged output is removed.
+and the staged output is removed. Multi-token-prediction layers become megatron's MTP layers
+where megatron can hold them (`_mtp_layers_imported`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -23,7 +25,7 @@ from .errors import ConvertError
 from .families import Family, family_of_architecture
 from .hf_files import SAFETENSORS_DTYPES, TOKENIZER_FILES, HFTensors, read_config_json
 from .staging import check_target, staged_folder
-from .tensor_map import fuse, hf_shapes, rules, unmapped
+from .tensor_map import fuse, hf_shapes, mtp_copies, rules, unmapped
 
 FLAGS_FILE = "model_flags.txt"
 
@@ -79,7 +81,7 @@ class _Weights:
     parameter's source are checked, so the only refusal left for the writing is a tensor's
     values (NaN or Inf) or a shard unreadable past its header: the staged output is removed."""
 
-    def __init__(self, model, family: Family, config, tensors: HFTensors):
+    def __init__(self, model, family: Family, config, tensors: HFTensors, left_out: list[str]):
         params = model.state_dict()
         self.tensors, self.config = tensors, config
         self.padded_vocab = model.embedding.word_embeddings.weight.shape[0]
@@ -88,10 +90,9 @@ class _Weights:
             target = params[rule.megatron]
             for name, shape in zip(rule.hf, hf_shapes(rule, tuple(target.shape), config)):
                 _check_header(name, tensors.header(name), shape, target.dtype)
-        prefixes = tuple(f"model.layers.{i}." for i in family.ignored_layers(config))
-        self.ignored = sorted(name for name in tensors.weight_map if name.startswith(prefixes))
         tensors.check_all_placed({name for rule in self.rules.values() for name in rule.hf}
-                                 | set(self.ignored))
+                                 | {name for rule in mtp_copies(family, config) for name in rule.hf}
+                                 | set(left_out))
         if unfilled := unmapped(params, family, config):
             raise ConvertError(f"the mapping leaves megatron parameters unset: "
                                f"{', '.join(unfilled[:3])}")
@@ -106,23 +107,50 @@ class _Weights:
         return fuse(rule, sources, self.config, self.padded_vocab)
 
 
+def _mtp_layers_imported(family: Family, config, tensors: HFTensors):
+    """The config as imported and the HF tensors left out. The multi-token-prediction layers
+    become megatron's MTP layers, which share the main model's embedding and output layer: a
+    layer's copies of those must equal the main model's. Where they differ, or the folder holds
+    none of the layers' tensors, the layers are left out (the main model is the same) and a line
+    says why."""
+    layers = family.mtp_layers(config)
+    if not layers:
+        return config, []
+    first = config.num_hidden_layers
+    prefixes = tuple(f"model.layers.{first + k}." for k in range(layers))
+    held = sorted(name for name in tensors.weight_map if name.startswith(prefixes))
+    main = {rule.megatron: rule.hf[0] for rule in rules(family, config)}
+    differ = [twin.hf[0] for twin in mtp_copies(family, config) if twin.hf[0] in held
+              and not torch.equal(tensors.get(twin.hf[0]), tensors.get(main[twin.megatron]))]
+    named = f"{layers} multi-token-prediction layer{'s' * (layers > 1)} (HF layer " \
+            f"{', '.join(str(first + k) for k in range(layers))}, {family.mtp_layers_key})"
+    if held and not differ:
+        print(f"convert: import-hf: {named} imported as megatron's MTP layers (--mtp-num-layers "
+              f"{layers}); config.json states no weight of their loss: megatron's "
+              "--mtp-loss-scaling-factor (0.1 unless set) is the run's choice", flush=True)
+        return config, []
+    why = (f"{differ[0]} differs from the main model's, which megatron's MTP layers share"
+           if differ else "the folder holds none of their tensors")
+    print(f"convert: import-hf: {named} not imported: {why}", flush=True)
+    config = copy.deepcopy(config)
+    setattr(config, family.mtp_layers_key, 0)
+    return config, held
+
+
 def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> None:
     check_target(out_dir)
     family = family_of_architecture(read_config_json(hf_dir).get("architectures"))
     config = hf_config(family, hf_dir)
     check_tokenizer_fits(hf_dir, config, trust_remote_code)
-    flags = megatron_flags(family, config)
+    megatron_flags(family, config)  # what megatron would build otherwise: refused before the shards
     tensors = HFTensors(hf_dir)
+    config, left_out = _mtp_layers_imported(family, config, tensors)
+    flags = megatron_flags(family, config)
     megatron_side.start()
     args, model_config = megatron_side.args_of_flags(flags, config.max_position_embeddings)
     with torch.device("meta"):  # names and shapes: each weight is read as it is written
         model = megatron_side.build(model_config)
-    weights = _Weights(model, family, config, tensors)
-    if weights.ignored:
-        layers = sorted({int(name.split(".")[2]) for name in weights.ignored})
-        print(f"convert: import-hf: {len(weights.ignored)} tensors of layers "
-              f"{', '.join(map(str, layers))} are not imported: {family.ignored_layers_are}",
-              flush=True)
+    weights = _Weights(model, family, config, tensors, left_out)
     with staged_folder(out_dir) as staging:
         megatron_side.save_release(model, weights.read, args, staging)
         with open(os.path.join(staging, FLAGS_FILE), "w") as f:

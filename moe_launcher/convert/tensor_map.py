@@ -10,6 +10,13 @@ spec), and the two layouts megatron fuses:
 
 Embedding and output layer carry megatron's padded vocabulary; the rows past the HF vocabulary
 are zeros on import and are dropped on export.
+
+A multi-token-prediction layer (GLM-4.5, DeepSeek-V3: HF layer num_hidden_layers + k) is
+megatron's `mtp.layers.{k}`: enorm normalises the next token's embedding, hnorm the main
+model's last hidden state, eh_proj projects [enorm(embedding); hnorm(hidden)] in this order
+(megatron's MultiTokenPredictionLayer and vLLM's DeepSeek and GLM MTP layers concatenate so;
+the DeepSeek-V3 report's equation 21 writes the hidden state first), then a decoder layer and
+shared_head.norm (megatron's final_layernorm of the layer).
 """
 
 from __future__ import annotations
@@ -36,20 +43,44 @@ def rules(family: Family, config) -> list[Rule]:
     found = [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB)]
     moe_layers = family.moe_layers(config)
     for i in range(config.num_hidden_layers):
-        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
-        found.append(Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), COPY))
-        found += _ATTENTION_RULES[family.attention](family, config, hf + "self_attn.",
-                                                    mc + "self_attention.")
-        found.append(Rule(mc + "pre_mlp_layernorm.weight",
-                          (hf + "post_attention_layernorm.weight",), COPY))
-        if moe_layers[i]:
-            found += _moe_rules(family, config, hf, mc)
-        else:
-            found += _dense_rules(family, hf, mc)
+        found += _layer_rules(family, config, f"model.layers.{i}.", f"decoder.layers.{i}.",
+                              moe_layers[i])
     found.append(Rule("decoder.final_layernorm.weight", ("model.norm.weight",), COPY))
     if not config.tie_word_embeddings:
         found.append(Rule("output_layer.weight", ("lm_head.weight",), VOCAB))
+    for k in range(family.mtp_layers(config)):
+        hf, mc = f"model.layers.{config.num_hidden_layers + k}.", f"mtp.layers.{k}."
+        found += [Rule(mc + f"{p}.weight", (hf + f"{p}.weight",), COPY)
+                  for p in ("enorm", "hnorm", "eh_proj")]
+        # megatron builds an MTP layer with its last decoder layer's spec
+        found += _layer_rules(family, config, hf, mc + "mtp_model_layer.", moe_layers[-1])
+        found.append(Rule(mc + "final_layernorm.weight", (hf + "shared_head.norm.weight",), COPY))
     return found
+
+
+def mtp_copies(family: Family, config) -> list[Rule]:
+    """The HF tensors of each multi-token-prediction layer that repeat a parameter of the main
+    model: its embed_tokens and its shared_head.head. DeepSeek-V3's MTP module shares the main
+    model's embedding and output head (its README_WEIGHTS.md), as megatron's MTP layers do; its
+    checkpoint holds them in the MTP layer too, where vLLM's MTP loader reads them."""
+    head = "embedding.word_embeddings.weight" if config.tie_word_embeddings \
+        else "output_layer.weight"
+    found = []
+    for k in range(family.mtp_layers(config)):
+        hf = f"model.layers.{config.num_hidden_layers + k}."
+        found += [Rule("embedding.word_embeddings.weight", (hf + "embed_tokens.weight",), VOCAB),
+                  Rule(head, (hf + "shared_head.head.weight",), VOCAB)]
+    return found
+
+
+def _layer_rules(family: Family, config, hf: str, mc: str, moe: bool) -> list[Rule]:
+    """One decoder layer: its norms, attention and MoE or dense MLP."""
+    found = [Rule(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), COPY)]
+    found += _ATTENTION_RULES[family.attention](family, config, hf + "self_attn.",
+                                                mc + "self_attention.")
+    found.append(Rule(mc + "pre_mlp_layernorm.weight",
+                      (hf + "post_attention_layernorm.weight",), COPY))
+    return found + (_moe_rules(family, config, hf, mc) if moe else _dense_rules(family, hf, mc))
 
 
 def _grouped_query_attention_rules(family: Family, config, hf: str, mc: str) -> list[Rule]:

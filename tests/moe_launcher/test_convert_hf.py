@@ -337,7 +337,7 @@ PUBLISHED = REPO / "tests" / "examples" / "published_configs"
     # the published 16B
     ("moonlight_16b_a3b", "DeepseekV3ForCausalLM", 16, "seq_aux_loss"),
     # DeepSeek-V3: q in two projections, its yarn, 8 expert groups choosing 4; the published
-    # 671B (its MTP layer, which transformers' model does not build, left out by both)
+    # 671B (without its MTP layer)
     ("deepseek_v3", "DeepseekV3ForCausalLM", 671, "--q-lora-rank"),
 ])
 def test_published_config_builds_with_transformers_parameter_count(published, architecture,
@@ -345,8 +345,9 @@ def test_published_config_builds_with_transformers_parameter_count(published, ar
                                                                    monkeypatch):
     """A published config at full size: import-hf's flags pass pretrain_moe.py's checks and
     megatron builds (on the meta device) exactly as many parameters as transformers' model of
-    the same config, the published count (GLM's multi-token-prediction layer left out by
-    both)."""
+    the same config, the published count, plus those of the multi-token-prediction layers (GLM's
+    and DeepSeek-V3's one), which transformers' model does not build: each one decoder layer
+    (transformers' last, a MoE layer), enorm, hnorm, eh_proj and shared_head.norm."""
     from transformers import AutoModelForCausalLM
 
     from moe_launcher.convert import megatron_side
@@ -364,10 +365,13 @@ def test_published_config_builds_with_transformers_parameter_count(published, ar
     _, model_config = megatron_side.args_of_flags(flags, 4096)
     with torch.device("meta"):
         megatron_count = sum(p.numel() for p in megatron_side.build(model_config).parameters())
-        transformers_count = sum(p.numel() for p in
-                                 AutoModelForCausalLM.from_config(config).parameters())
-    assert megatron_count == transformers_count
-    assert abs(megatron_count / (billions * 1e9) - 1) < 0.01, megatron_count
+        reference = AutoModelForCausalLM.from_config(config)
+    transformers_count = sum(p.numel() for p in reference.parameters())
+    width = config.hidden_size
+    mtp_layer = sum(p.numel() for p in reference.model.layers[-1].parameters()) \
+        + 2 * width * width + 3 * width
+    assert megatron_count == transformers_count + family.mtp_layers(config) * mtp_layer
+    assert abs(transformers_count / (billions * 1e9) - 1) < 0.01, transformers_count
 
 
 def test_bf16_glm_keeps_its_fp32_expert_bias_bit_identical(tmp_path):
@@ -1425,30 +1429,193 @@ def test_import_refuses_mixtral_sliding_window(tmp_path, capsys):
     assert "sliding_window=4096" in refused(capsys, tmp_path, "import-hf", folder)
 
 
-def test_glm_multi_token_prediction_layers_are_left_out_and_said(family_conversions, tmp_path,
-                                                                 capsys):
-    """GLM-4.5's checkpoints hold its multi-token-prediction layers after the decoder's
-    (num_nextn_predict_layers; layer 46 of GLM-4.5-Air), which transformers' model does not
-    build and ignores when it loads. import-hf leaves them out and says so in a line: the
-    checkpoint gives the logits of the folder without them. Where config.json counts no such
-    layer, tensors of that layer have no place and are refused."""
-    from safetensors.torch import load_file, save_file
+MTP_FAMILIES = {"glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3}
 
-    _, hf_dir, ckpt, _ = family_conversions("glm4_moe")
-    folder = _with_config(hf_dir, tmp_path / "with_mtp", num_nextn_predict_layers=1)
-    (shard,) = folder.glob("*.safetensors")
-    tensors = load_file(shard)
-    tensors.update({"model.layers.3.eh_proj.weight": torch.ones(64, 128),
-                    "model.layers.3.enorm.weight": torch.ones(64)})
-    save_file(tensors, shard, metadata={"format": "pt"})
+
+@pytest.fixture(scope="module")
+def mtp_folders(tmp_path_factory):
+    """family -> an HF folder of 3 decoder layers and one multi-token-prediction layer (HF
+    layer 3, num_nextn_predict_layers 1), laid out as DeepSeek-V3's README_WEIGHTS.md states:
+    the layer's enorm, hnorm, eh_proj, a decoder layer of the main model's names (here
+    transformers' own: a 4-layer model's layer 3), shared_head.norm, and copies of the main
+    model's embedding (embed_tokens) and output head (shared_head.head)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    made = {}
+
+    def folder(family: str) -> Path:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"{family}_mtp")
+            model = AutoModelForCausalLM.from_config(MTP_FAMILIES[family](num_hidden_layers=4))
+            _randomise(model)
+            model.save_pretrained(root / "hf")
+            (shard,) = (root / "hf").glob("*.safetensors")
+            tensors = _hf_tensors(root / "hf")
+            generator = torch.Generator().manual_seed(2)
+            hidden = model.config.hidden_size
+            mtp = "model.layers.3."
+            tensors.update({
+                mtp + "enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=generator),
+                mtp + "hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=generator),
+                mtp + "eh_proj.weight": 0.15 * torch.randn(hidden, 2 * hidden,
+                                                           generator=generator),
+                mtp + "shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden,
+                                                                       generator=generator),
+                mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+            save_file(tensors, shard, metadata={"format": "pt"})
+            made[family] = _with_config(root / "hf", root / "mtp", num_hidden_layers=3,
+                                        num_nextn_predict_layers=1)
+        return made[family]
+
+    return folder
+
+
+def _transformers_mtp_logits(folder: Path, tokens: torch.Tensor, scratch: Path) -> torch.Tensor:
+    """The MTP layer's logits for positions 0..S-2 as vLLM's DeepSeek and GLM MTP layers compute
+    them (vllm/model_executor/models/deepseek_mtp.py, glm4_moe_mtp.py): the main model's last
+    hidden state h_i (after its final norm) and the embedding of token i+1, each RMS-normalised
+    (hnorm, enorm), eh_proj over [enorm(embedding); hnorm(h)], the decoder layer, shared_head's
+    norm and head. The decoder layer, final norm and head are transformers' own: a one-layer
+    model of the family (its layer a MoE layer) made of the MTP layer's tensors in `scratch`."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tensors = _hf_tensors(folder)
+    main = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers, config.first_k_dense_replace = 1, 0
+    mtp = "model.layers.3."
+    own = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+    state = {name.replace(mtp, "model.layers.0."): tensor for name, tensor in tensors.items()
+             if name.startswith(mtp) and not name.removeprefix(mtp).startswith(own)}
+    state.update({"model.norm.weight": tensors[mtp + "shared_head.norm.weight"],
+                  "lm_head.weight": tensors[mtp + "shared_head.head.weight"],
+                  "model.embed_tokens.weight": tensors[mtp + "embed_tokens.weight"]})
+    config.save_pretrained(scratch)
+    save_file(state, scratch / "model.safetensors", metadata={"format": "pt"})
+    block, loading = AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32,
+                                                          output_loading_info=True)
+    assert not any(loading.values()), loading  # every tensor taken, none left unset
+    block.eval()
+    width, eps = config.hidden_size, config.rms_norm_eps
+    with torch.no_grad():
+        hidden = main.model(tokens).last_hidden_state[:, :-1]
+        embedded = tensors[mtp + "embed_tokens.weight"][tokens[:, 1:]]
+        joined = torch.cat([
+            torch.nn.functional.rms_norm(embedded, (width,), tensors[mtp + "enorm.weight"], eps),
+            torch.nn.functional.rms_norm(hidden, (width,), tensors[mtp + "hnorm.weight"], eps)],
+            dim=-1) @ tensors[mtp + "eh_proj.weight"].T
+        return block(inputs_embeds=joined).logits
+
+
+def _megatron_mtp_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of megatron's MTP layer (the second part of its MTP block's output, through the
+    shared output layer) in the forward _megatron_logits runs."""
+    from moe_launcher.convert import megatron_side
+
+    megatron_side.start()
+    path = megatron_side.iteration_dir(str(ckpt), None)
+    model = megatron_side.build(megatron_side.world_one_config(megatron_side.saved_args(path)))
+    megatron_side.load_into(model, path)
+    model.eval()
+    outputs = []
+    hook = model.mtp.register_forward_hook(lambda module, args, output: outputs.append(output))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)
+    with torch.no_grad():
+        model(tokens, positions, causal[None, None])
+        hook.remove()
+        (joined,) = outputs
+        logits, _ = model.output_layer(joined.chunk(2, dim=0)[1])
+    return logits.transpose(0, 1)
+
+
+@pytest.mark.parametrize("family", list(MTP_FAMILIES))
+def test_multi_token_prediction_layer_imports_as_vllm_computes_it_and_exports_back(
+        family, mtp_folders, tmp_path):
+    """GLM-4.5's and DeepSeek-V3's MTP layer (HF layer num_hidden_layers) imports as megatron's
+    MTP layer (--mtp-num-layers 1 in model_flags.txt): its logits for the token after next are
+    those of the reference above, the main model's are transformers' (which ignores the layer);
+    export writes every tensor of the folder back bit-identical, the copies of embedding and
+    head included, and config.json's num_nextn_predict_layers, also after a round trip through
+    fsdp_dtensor."""
+    from transformers import AutoModelForCausalLM
+
+    folder = mtp_folders(family)
     run = convert("import-hf", folder, tmp_path / "ckpt")
-    assert "convert: import-hf: 2 tensors of layers 3 are not imported: multi-token-prediction " \
-           "layers, which transformers' Glm4MoeForCausalLM ignores too" in run.stdout, run.stdout
+    assert "convert: import-hf: 1 multi-token-prediction layer (HF layer 3, " \
+           "num_nextn_predict_layers) imported as megatron's MTP layers" in run.stdout, run.stdout
+    flags = (tmp_path / "ckpt" / "model_flags.txt").read_text().split()
+    assert flags[flags.index("--mtp-num-layers") + 1] == "1"
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(_megatron_logits(tmp_path / "ckpt", tokens), _megatron_logits(ckpt, tokens))
+    expected = _transformers_mtp_logits(folder, tokens, tmp_path / "reference")
+    diff = (_megatron_mtp_logits(tmp_path / "ckpt", tokens)[:, :-1, :VOCAB] - expected).abs().max()
+    assert diff < 1e-4, f"{family}: max |megatron MTP - reference| logit = {diff:.3g}"
+    with torch.no_grad():
+        main = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(
+            tokens).logits
+    assert (_megatron_logits(tmp_path / "ckpt", tokens)[..., :VOCAB] - main).abs().max() < 1e-4
+    convert("export-hf", tmp_path / "ckpt", tmp_path / "exported")
+    # and through Megatron-FSDP's format under Transformer Engine's names
+    convert("to-fsdp-dtensor", tmp_path / "ckpt", tmp_path / "fsdp", "--transformer-impl",
+            "transformer_engine")
+    convert("to-torch-dist", tmp_path / "fsdp", tmp_path / "torch_dist")
+    convert("export-hf", tmp_path / "torch_dist", tmp_path / "through_fsdp")
+    source = _hf_tensors(folder)
+    for exported in (tmp_path / "exported", tmp_path / "through_fsdp"):
+        tensors = _hf_tensors(exported)
+        assert sorted(tensors) == sorted(source)
+        assert all(torch.equal(tensors[name], source[name]) for name in source), exported
+        config = json.loads((exported / "config.json").read_text())
+        assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
+
+
+def _with_tensors(source: Path, target: Path, change) -> Path:
+    """A copy of a one-shard folder whose tensors are change(tensors)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, target)
+    (shard,) = target.glob("*.safetensors")
+    save_file(change(_hf_tensors(target)), shard, metadata={"format": "pt"})
+    return target
+
+
+def test_multi_token_prediction_layers_megatron_cannot_share_are_left_out_and_said(
+        mtp_folders, tmp_path, capsys):
+    """A layer whose copy of the output head differs from the model's (megatron's MTP layers
+    share it) is left out, and said: the checkpoint is the main model's alone, its logits those
+    of the folder without the layer; it exports with none, --config-from the folder accepted.
+    The same where config.json counts a layer the folder holds no tensor of. Where config.json
+    counts no such layer, its tensors have no place: refused."""
+    folder = mtp_folders("deepseek_v3")
+    head = "model.layers.3.shared_head.head.weight"
+    differs = _with_tensors(folder, tmp_path / "differs",
+                            lambda tensors: {**tensors, head: tensors[head] + 1})
+    run = convert("import-hf", differs, tmp_path / "ckpt")
+    assert "convert: import-hf: 1 multi-token-prediction layer (HF layer 3, " \
+           f"num_nextn_predict_layers) not imported: {head} differs from the main model's, " \
+           "which megatron's MTP layers share" in run.stdout, run.stdout
+    assert "--mtp-num-layers" not in (tmp_path / "ckpt" / "model_flags.txt").read_text()
+    # the source folder's config.json describes this model (it counts an MTP layer the
+    # checkpoint has not: the main model is the same), and the export counts none
+    convert("export-hf", tmp_path / "ckpt", tmp_path / "exported", "--config-from", folder)
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
+    assert not any(name.startswith("model.layers.3.") for name in
+                   _hf_tensors(tmp_path / "exported"))
+    main_only = _with_tensors(folder, tmp_path / "main_only", lambda tensors: {
+        name: tensor for name, tensor in tensors.items() if not name.startswith("model.layers.3.")})
+    counted = _with_config(main_only, tmp_path / "counted", num_nextn_predict_layers=1)
+    run = convert("import-hf", counted, tmp_path / "ckpt_counted")
+    assert "not imported: the folder holds none of their tensors" in run.stdout, run.stdout
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_megatron_logits(tmp_path / "ckpt", tokens),
+                       _megatron_logits(tmp_path / "ckpt_counted", tokens))
     unexpected = _with_config(folder, tmp_path / "unexpected", num_nextn_predict_layers=0)
     line = refused(capsys, tmp_path, "import-hf", unexpected)
-    assert "2 tensors have no place in the megatron model, e.g. model.layers.3.eh_proj" in line
+    assert "tensors have no place in the megatron model, e.g. model.layers.3." in line, line
 
 
 def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys):

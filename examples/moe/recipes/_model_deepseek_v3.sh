@@ -16,9 +16,9 @@
 #   plain RoPE (theta 10000) at 4096 positions (megatron's fused RoPE for MLA needs YaRN, hence
 #   --no-rope-fusion);
 # * the complementary sequence-wise balance loss at alpha 1e-4;
-# * one MTP module (num_nextn_predict_layers 1, depth 1) with its loss weighted 0.3 (the paper's
-#   weight for its first 10T tokens, 0.1 after). import-hf does not map the published MTP layer
-#   (it says so): a run from imported weights starts that module afresh.
+# * the MTP module's loss weighted 0.3 (the paper's weight for its first 10T tokens, 0.1
+#   after). The module itself (num_nextn_predict_layers 1, depth 1: layer 61 of the checkpoint)
+#   is config.json's, and import-hf takes it.
 VOCAB_SIZE=129280
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 TOKENIZER_HUB_ID=deepseek-ai/DeepSeek-V3

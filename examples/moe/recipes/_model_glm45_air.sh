@@ -8,9 +8,10 @@
 # sigmoid of its logits, chooses by score + a per-expert bias (e_score_correction_bias ->
 # --moe-router-enable-expert-bias, moved after every step by the tokens each expert got: the
 # balance without a load-balancing loss) and renormalises the chosen scores (one group, scaling
-# 1.0: megatron's defaults). RMSNorm 1e-5, vocab 151552, untied embeddings. Its
-# multi-token-prediction layer is left out (import-hf does not take it). Trained here at
-# sequence length 4096.
+# 1.0: megatron's defaults). RMSNorm 1e-5, vocab 151552, untied embeddings. One
+# multi-token-prediction layer (num_nextn_predict_layers 1: layer 46 of its checkpoint, a MoE
+# layer sharing the embedding and output head; import-hf takes it), its loss weighted at
+# megatron's default 0.1 (config.json states no weight). Trained here at sequence length 4096.
 VOCAB_SIZE=151552
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 TOKENIZER_HUB_ID=zai-org/GLM-4.5-Air
@@ -27,4 +28,5 @@ MODEL_ARGS=(
   --moe-layer-freq '([0]*1+[1]*45)'
   --moe-router-score-function sigmoid --moe-router-enable-expert-bias
   --moe-router-load-balancing-type none
+  --mtp-num-layers 1
 )

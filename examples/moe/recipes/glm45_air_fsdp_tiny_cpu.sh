@@ -3,8 +3,8 @@
 # 1 node. The recipe's experts are EP4 x ETP2 (8 ranks per expert replica, expert-DP 8), more
 # than 4 ranks hold: the twin keeps ETP2 and runs EP2 (expert-DP 1), under the same
 # Megatron-FSDP optim_grads_params (over DP 4): the sigmoid router with its expert bias, the
-# shared expert, the dense first layer, the q, k, v biases and the half-head rope, sharded as on
-# the GPUs.
+# shared expert, the dense first layer, the q, k, v biases, the half-head rope and the MTP
+# layer, sharded as on the GPUs.
 TWIN_OF=glm45_air_fsdp
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_cpu_twin.sh"

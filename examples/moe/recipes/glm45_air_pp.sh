@@ -1,7 +1,8 @@
 # shellcheck shell=bash disable=SC2034
 # GLM-4.5-Air, pipeline layout, 8 nodes x 8 H100 80GB (64 GPUs).
-# TP1 x PP4 x DP16. 46 layers split 11/12/12/11: the first stage also holds the embedding and
-# the dense layer 0, the last the output layer. Experts EP8 x ETP1, expert-DP 2.
+# TP1 x PP4 x DP16. 46 layers split 12/12/12/10: the first stage also holds the embedding and
+# the dense layer 0, the last the MTP layer (a MoE layer) and the output layer, which the MTP
+# layer runs a second time. Experts EP8 x ETP1, expert-DP 2.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_glm45_air.sh"
 # shellcheck source=/dev/null
@@ -11,7 +12,7 @@ GPUS_PER_NODE=8
 LAYOUT_ARGS=(
   --tensor-model-parallel-size 1
   --pipeline-model-parallel-size 4
-  --decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11
+  --decoder-first-pipeline-num-layers 12 --decoder-last-pipeline-num-layers 10
   --expert-model-parallel-size 8 --expert-tensor-parallel-size 1
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   --ckpt-format torch_dist
