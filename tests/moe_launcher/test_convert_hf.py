@@ -1572,6 +1572,34 @@ def test_multi_token_prediction_layer_imports_as_vllm_computes_it_and_exports_ba
         assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
 
 
+def test_imported_mtp_layer_trains_with_the_reference_mtp_loss_at_pp2(mtp_folders, tmp_path):
+    """DeepSeek-V3's imported MTP layer where users train it: pretrain_moe.py loads the import at
+    PP2 (1 + 2 layers, the MTP layer on the last stage) x EP2 and its first step logs the MTP
+    loss of the reference MTP forward above (megatron's: each micro-batch's mean cross-entropy
+    of the token after next over the positions that have one, averaged over micro-batches) and
+    transformers' lm loss, on the batch megatron's GPTDataset gives."""
+    folder = mtp_folders("deepseek_v3")
+    convert("import-hf", folder, tmp_path / "ckpt")
+    corpus = str(tmp_path / "corpus_text_document")
+    _random_corpus(corpus, seed=8)
+    from _launch import tensorboard_scalars
+
+    layout = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+              "--decoder-last-pipeline-num-layers", "2", "--expert-model-parallel-size", "2",
+              "--micro-batch-size", "1", "--global-batch-size", "2"]
+    trained = _launched_steps(tmp_path / "ckpt", corpus, tmp_path / "run", layout, nproc=4)
+    mtp_loss = tensorboard_scalars(tmp_path / "run" / "tb", "mtp_1 loss")
+    (batch,) = _megatron_batches(corpus, 1, 2).train
+    logits = _transformers_mtp_logits(folder, batch.tokens, tmp_path / "reference")
+    # position i predicts labels[i + 1] (token i + 2) where the loss mask keeps it
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.labels[:, 1:],
+                                               reduction="none") * batch.loss_mask[:, 1:]
+    expected = (losses.sum(1) / batch.loss_mask[:, 1:].sum(1)).mean().item()
+    assert abs(mtp_loss[1] / expected - 1) < 1e-5, (mtp_loss, expected)
+    reference = _transformers_steps(folder, _megatron_batches(corpus, 1, 2), lr=0.0)
+    assert abs(trained["lm loss"][1] / reference["lm loss"][1] - 1) < 1e-5, (trained, reference)
+
+
 def _with_tensors(source: Path, target: Path, change) -> Path:
     """A copy of a one-shard folder whose tensors are change(tensors)."""
     from safetensors.torch import save_file
