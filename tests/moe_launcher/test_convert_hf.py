@@ -1572,32 +1572,42 @@ def test_multi_token_prediction_layer_imports_as_vllm_computes_it_and_exports_ba
         assert config["num_nextn_predict_layers"] == 1 and config["num_hidden_layers"] == 3
 
 
-def test_imported_mtp_layer_trains_with_the_reference_mtp_loss_at_pp2(mtp_folders, tmp_path):
-    """DeepSeek-V3's imported MTP layer where users train it: pretrain_moe.py loads the import at
-    PP2 (1 + 2 layers, the MTP layer on the last stage) x EP2 and its first step logs the MTP
-    loss of the reference MTP forward above (megatron's: each micro-batch's mean cross-entropy
-    of the token after next over the positions that have one, averaged over micro-batches) and
-    transformers' lm loss, on the batch megatron's GPTDataset gives."""
-    folder = mtp_folders("deepseek_v3")
-    convert("import-hf", folder, tmp_path / "ckpt")
-    corpus = str(tmp_path / "corpus_text_document")
-    _random_corpus(corpus, seed=8)
+def test_imported_mtp_layer_trains_with_the_reference_mtp_loss(mtp_folders, tmp_path):
+    """DeepSeek-V3's imported MTP layer where users train it: pretrain_moe.py loads the import
+    at PP2 (1 + 2 layers, the MTP layer on the last stage) x EP2, and in fp32 under
+    Megatron-FSDP (optim_grads_params, EP2: the import through to-fsdp-dtensor); the first step
+    of each logs the MTP loss of the reference MTP forward above (megatron's: each micro-batch's
+    mean cross-entropy of the token after next over the positions that have one, averaged over
+    micro-batches) and transformers' lm loss, on the batch megatron's GPTDataset gives."""
     from _launch import tensorboard_scalars
 
-    layout = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-              "--decoder-last-pipeline-num-layers", "2", "--expert-model-parallel-size", "2",
-              "--micro-batch-size", "1", "--global-batch-size", "2"]
-    trained = _launched_steps(tmp_path / "ckpt", corpus, tmp_path / "run", layout, nproc=4)
-    mtp_loss = tensorboard_scalars(tmp_path / "run" / "tb", "mtp_1 loss")
-    (batch,) = _megatron_batches(corpus, 1, 2).train
+    folder = mtp_folders("deepseek_v3")
+    ckpt = tmp_path / "ckpt"
+    convert("import-hf", folder, ckpt)
+    convert("to-fsdp-dtensor", ckpt, tmp_path / "fsdp_import", "--transformer-impl", "local")
+    corpus = str(tmp_path / "corpus_text_document")
+    _random_corpus(corpus, seed=8)
+    (batch,) = _megatron_batches(corpus, 1, 4).train
     logits = _transformers_mtp_logits(folder, batch.tokens, tmp_path / "reference")
     # position i predicts labels[i + 1] (token i + 2) where the loss mask keeps it
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.labels[:, 1:],
                                                reduction="none") * batch.loss_mask[:, 1:]
-    expected = (losses.sum(1) / batch.loss_mask[:, 1:].sum(1)).mean().item()
-    assert abs(mtp_loss[1] / expected - 1) < 1e-5, (mtp_loss, expected)
-    reference = _transformers_steps(folder, _megatron_batches(corpus, 1, 2), lr=0.0)
-    assert abs(trained["lm loss"][1] / reference["lm loss"][1] - 1) < 1e-5, (trained, reference)
+    expected_mtp = (losses.sum(1) / batch.loss_mask[:, 1:].sum(1)).mean().item()
+    expected_lm = _transformers_steps(folder, Batches([batch], None), lr=0.0)["lm loss"][1]
+    common = ["--micro-batch-size", "1", "--global-batch-size", "4",
+              "--expert-model-parallel-size", "2"]
+    _launched_steps(ckpt, corpus, tmp_path / "pp2", [
+        *common, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
+        "1", "--decoder-last-pipeline-num-layers", "2"], nproc=4)
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    _launched_losses(4, [*flags, *(flag for flag in MEGATRON_FSDP if flag != "--bf16")],
+                     tmp_path / "fsdp", corpus, *common, "--load", str(tmp_path / "fsdp_import"),
+                     "--train-iters", "1", "--lr", "0.0")
+    for name in ("pp2", "fsdp"):
+        logged = {tag: tensorboard_scalars(tmp_path / name / "tb", tag)
+                  for tag in ("mtp_1 loss", "lm loss")}
+        assert abs(logged["mtp_1 loss"][1] / expected_mtp - 1) < 1e-5, (name, logged, expected_mtp)
+        assert abs(logged["lm loss"][1] / expected_lm - 1) < 1e-5, (name, logged, expected_lm)
 
 
 def _with_tensors(source: Path, target: Path, change) -> Path:
