@@ -8,7 +8,8 @@ config.json's vocab_size, every shard's header, each HF tensor's shape (against 
 config.json implies) and dtype, and every tensor's place in the model. The weights stream: the
 model is built on the meta device and each megatron parameter is made from its HF tensors (read
 once) when megatron's save writes it; a tensor holding NaN or Inf stops the conversion there,
-and the staged output is removed. Multi-token-prediction layers become megatron's MTP layers
+and the staged output is removed. Block-wise FP8 weights (DeepSeek-V3's release) are
+dequantized as they are read (`block_fp8`). Multi-token-prediction layers become megatron's MTP layers
 where megatron can hold them (`_mtp_layers_imported`).
 """
 
@@ -20,6 +21,7 @@ import os
 import torch
 
 from . import megatron_side
+from .block_fp8 import FP8, BlockFP8, block_fp8_of
 from .architecture import megatron_flags
 from .errors import ConvertError
 from .families import Family, family_of_architecture
@@ -81,29 +83,46 @@ class _Weights:
     parameter's source are checked, so the only refusal left for the writing is a tensor's
     values (NaN or Inf) or a shard unreadable past its header: the staged output is removed."""
 
-    def __init__(self, model, family: Family, config, tensors: HFTensors, left_out: list[str]):
+    def __init__(self, model, family: Family, config, tensors: HFTensors, left_out: list[str],
+                 fp8: BlockFP8 | None):
         params = model.state_dict()
         self.tensors, self.config = tensors, config
         self.padded_vocab = model.embedding.word_embeddings.weight.shape[0]
         self.rules = {rule.megatron: rule for rule in rules(family, config)}
+        self.dtypes = {name: params[name].dtype for name in self.rules}
+        self.fp8, self.quantized = fp8, set()
         for rule in self.rules.values():
             target = params[rule.megatron]
             for name, shape in zip(rule.hf, hf_shapes(rule, tuple(target.shape), config)):
-                _check_header(name, tensors.header(name), shape, target.dtype)
+                found = tensors.header(name)
+                if self.fp8 and found[1] == FP8:
+                    scale = self.fp8.scale_of(name)
+                    self.fp8.check(name, found, tensors.header(scale)
+                                   if scale in tensors.weight_map else None)
+                    found = (found[0], SAFETENSORS_DTYPES.get(target.dtype))
+                    self.quantized.add(name)
+                _check_header(name, found, shape, target.dtype)
         tensors.check_all_placed({name for rule in self.rules.values() for name in rule.hf}
                                  | {name for rule in mtp_copies(family, config) for name in rule.hf}
+                                 | {self.fp8.scale_of(name) for name in self.quantized}
                                  | set(left_out))
         if unfilled := unmapped(params, family, config):
             raise ConvertError(f"the mapping leaves megatron parameters unset: "
                                f"{', '.join(unfilled[:3])}")
 
+    def _source(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """An HF tensor as the model's weight: a block-wise FP8 one dequantized to `dtype`."""
+        source = self.tensors.get(name)
+        if name in self.quantized:
+            source = self.fp8.dequantize(source, self.tensors.get(self.fp8.scale_of(name)), dtype)
+        if source.is_floating_point() and not bool(torch.isfinite(source).all()):
+            raise ConvertError(f"{name} holds NaN or Inf values (a damaged file or "
+                               "download?); fix: download the model again")
+        return source
+
     def read(self, megatron_name: str) -> torch.Tensor:
         rule = self.rules[megatron_name]
-        sources = [self.tensors.get(name) for name in rule.hf]
-        for name, source in zip(rule.hf, sources):
-            if source.is_floating_point() and not bool(torch.isfinite(source).all()):
-                raise ConvertError(f"{name} holds NaN or Inf values (a damaged file or "
-                                   "download?); fix: download the model again")
+        sources = [self._source(name, self.dtypes[megatron_name]) for name in rule.hf]
         return fuse(rule, sources, self.config, self.padded_vocab)
 
 
@@ -142,7 +161,10 @@ def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> Non
     family = family_of_architecture(read_config_json(hf_dir).get("architectures"))
     config = hf_config(family, hf_dir)
     check_tokenizer_fits(hf_dir, config, trust_remote_code)
-    megatron_flags(family, config)  # what megatron would build otherwise: refused before the shards
+    # what megatron would build otherwise and a quantization not read here: refused before the
+    # shards are opened
+    megatron_flags(family, config)
+    fp8 = block_fp8_of(config)
     tensors = HFTensors(hf_dir)
     config, left_out = _mtp_layers_imported(family, config, tensors)
     flags = megatron_flags(family, config)
@@ -150,7 +172,12 @@ def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> Non
     args, model_config = megatron_side.args_of_flags(flags, config.max_position_embeddings)
     with torch.device("meta"):  # names and shapes: each weight is read as it is written
         model = megatron_side.build(model_config)
-    weights = _Weights(model, family, config, tensors, left_out)
+    weights = _Weights(model, family, config, tensors, left_out, fp8)
+    if weights.quantized:
+        print(f"convert: import-hf: {len(weights.quantized)} weights stored as block-wise FP8 "
+              f"(blocks of {list(weights.fp8.block)}) are dequantized to "
+              f"{str(model_config.params_dtype).removeprefix('torch.')}: each times its "
+              "block's weight_scale_inv", flush=True)
     with staged_folder(out_dir) as staging:
         megatron_side.save_release(model, weights.read, args, staging)
         with open(os.path.join(staging, FLAGS_FILE), "w") as f:

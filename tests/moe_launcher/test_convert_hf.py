@@ -1656,6 +1656,122 @@ def test_multi_token_prediction_layers_megatron_cannot_share_are_left_out_and_sa
     assert "tensors have no place in the megatron model, e.g. model.layers.3." in line, line
 
 
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def _block_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict:
+    """`tensors` as DeepSeek-V3's release stores them (its README_WEIGHTS.md): each decoder
+    layer's projection weight as float8_e4m3fn, block by block of `block` (the last block of a
+    row or column cut short), each block scaled into FP8's range, its scale in
+    `<name>_scale_inv` (fp32, one a block); embedding, head, norms and routers as they are."""
+    stored = {}
+    for name, weight in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+            stored[name] = weight
+            continue
+        rows, columns = weight.shape
+        grid = (-(-rows // block[0]), -(-columns // block[1]))
+        scale = torch.empty(grid)
+        quantized = torch.empty(rows, columns, dtype=torch.float8_e4m3fn)
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                part = (slice(i * block[0], (i + 1) * block[0]),
+                        slice(j * block[1], (j + 1) * block[1]))
+                scale[i, j] = weight[part].abs().max().clamp(min=1e-12) / FP8_MAX
+                quantized[part] = (weight[part] / scale[i, j]).to(torch.float8_e4m3fn)
+        stored[name], stored[name + "_scale_inv"] = quantized, scale
+    return stored
+
+
+def _dequantized(stored: dict[str, torch.Tensor], block: tuple[int, int]) -> dict:
+    """The weights a block-wise FP8 checkpoint stands for, block by block: each FP8 element
+    times its block's scale, in fp32."""
+    weights = {}
+    for name, tensor in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor, scale = tensor.float(), stored[name + "_scale_inv"]
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    tensor[i * block[0]:(i + 1) * block[0],
+                           j * block[1]:(j + 1) * block[1]] *= scale[i, j]
+        weights[name] = tensor
+    return weights
+
+
+def _fp8_folder(source: Path, target: Path, block: tuple[int, int]) -> Path:
+    folder = _with_tensors(source, target, lambda tensors: _block_fp8(tensors, block))
+    return _with_config(folder, target.with_name(target.name + "_config"), quantization_config={
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": list(block)})
+
+
+def _transformers_dequantized(stored: dict[str, torch.Tensor]) -> dict:
+    """The weights of a block-wise FP8 checkpoint by transformers' own dequantization (the op
+    its FineGrainedFP8 loading runs with dequantize=True; its loading itself needs accelerate)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    dequantize = Fp8Dequantize(hf_quantizer=None)
+    return {name: dequantize.convert({"weight": tensor,
+                                      "weight_scale_inv": stored[name + "_scale_inv"]})["weight"]
+            if tensor.dtype == torch.float8_e4m3fn else tensor
+            for name, tensor in stored.items() if not name.endswith("_scale_inv")}
+
+
+def test_block_fp8_checkpoint_imports_as_transformers_dequantizes_it(family_conversions,
+                                                                       tmp_path, capsys):
+    """DeepSeek-V3's release format (block-wise FP8 projection weights, a scale per block,
+    config.json's quantization_config) imports as the full-precision weights it stands for:
+    bit for bit the import of the weights transformers' FP8 dequantization gives, whose logits
+    are transformers'; with blocks that do not divide the weights (the last ones cut short, as
+    DeepSeek-V3's 576-row kv_a_proj_with_mqa in blocks of 128, which transformers'
+    dequantization refuses) bit for bit the import of the weights dequantized block by block,
+    and it exports as them, without quantization_config. Another quantization, and an FP8
+    weight without its scales, are refused."""
+    from transformers import AutoModelForCausalLM
+
+    _, hf_dir, _, _ = family_conversions("deepseek_v3")
+    fp8 = _fp8_folder(hf_dir, tmp_path / "fp8", (8, 8))
+    run = convert("import-hf", fp8, tmp_path / "ckpt")
+    assert re.search(r"convert: import-hf: \d+ weights stored as block-wise FP8 \(blocks of "
+                     r"\[8, 8\]\) are dequantized to float32", run.stdout), run.stdout
+    by_transformers = _with_tensors(hf_dir, tmp_path / "by_transformers", lambda tensors:
+                                    _transformers_dequantized(_block_fp8(tensors, (8, 8))))
+    convert("import-hf", by_transformers, tmp_path / "ckpt_by_transformers")
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    logits = _megatron_logits(tmp_path / "ckpt", tokens)
+    assert torch.equal(logits, _megatron_logits(tmp_path / "ckpt_by_transformers", tokens))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(by_transformers).eval()(tokens).logits
+        unquantized = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(tokens).logits
+    assert (logits[..., :VOCAB] - expected).abs().max() < 1e-4
+    assert (expected - unquantized).abs().max() > 1e-2  # (the FP8 rounding shows)
+
+    uneven = _fp8_folder(hf_dir, tmp_path / "uneven", (16, 16))
+    plain = _with_tensors(hf_dir, tmp_path / "dequantized",
+                          lambda tensors: _dequantized(_block_fp8(tensors, (16, 16)), (16, 16)))
+    convert("import-hf", uneven, tmp_path / "ckpt_uneven")
+    convert("import-hf", plain, tmp_path / "ckpt_plain")
+    assert torch.equal(_megatron_logits(tmp_path / "ckpt_uneven", tokens),
+                       _megatron_logits(tmp_path / "ckpt_plain", tokens))
+    convert("export-hf", tmp_path / "ckpt_uneven", tmp_path / "exported")
+    exported, weights = _hf_tensors(tmp_path / "exported"), _hf_tensors(plain)
+    assert sorted(exported) == sorted(weights)
+    assert all(torch.equal(exported[name], weights[name]) for name in weights)
+    assert "quantization_config" not in json.loads((tmp_path / "exported" /
+                                                    "config.json").read_text())
+
+    other = _with_config(uneven, tmp_path / "int4", quantization_config={
+        "quant_method": "compressed-tensors", "format": "pack-quantized"})
+    assert "quantization_config (quant_method 'compressed-tensors'" in refused(
+        capsys, tmp_path, "import-hf", other)
+    scale = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"
+    unscaled = _with_tensors(uneven, tmp_path / "unscaled", lambda tensors: {
+        name: tensor for name, tensor in tensors.items() if name != scale})
+    assert f"is F8_E4M3 without {scale}" in refused(capsys, tmp_path, "import-hf", unscaled)
+
+
 def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys):
     missing = shutil.copytree(qwen_dir, tmp_path / "missing")
     shard = sorted(missing.glob("*.safetensors"))[1]

@@ -1,0 +1,75 @@
+"""Block-wise FP8 checkpoints (DeepSeek-V3's and Kimi K2's releases: config.json's
+`quantization_config` {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
+read as the full-precision weights they stand for.
+
+Such a checkpoint keeps each quantized weight `W` as float8_e4m3 next to `W_scale_inv`, one
+float per block of weight_block_size (rows x columns) of `W`, the last block of a row or
+column cut short where the block size does not divide it (DeepSeek-V3's
+kv_a_proj_with_mqa: 576 rows, 4.5 blocks of 128). The weight is `W` times its block's scale
+(DeepSeek-V3's README_WEIGHTS.md; its fp8_cast_bf16.py and transformers' FineGrainedFP8
+dequantize so), cast to config.json's dtype. Tensors without a scale (embedding, output head,
+norms, routers) are stored in that dtype already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .errors import ConvertError
+
+FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"
+_SCALE_DTYPES = ("F32", "BF16")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFP8:
+    block: tuple[int, int]  # weight_block_size: rows, columns
+
+    @staticmethod
+    def scale_of(name: str) -> str:
+        return name + SCALE_SUFFIX
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        return tuple(math.ceil(size / block) for size, block in zip(shape, self.block))
+
+    def check(self, name: str, found: tuple[tuple[int, ...], str],
+              scale: tuple[tuple[int, ...], str] | None) -> None:
+        """A weight stored as FP8 has its scales, one per block, in a float dtype."""
+        if scale is None:
+            raise ConvertError(f"{name} is {FP8} without {self.scale_of(name)}: its block scales "
+                               "are missing; fix: download the model again")
+        shape = self.scale_shape(found[0])
+        if len(found[0]) != 2 or scale[0] != shape or scale[1] not in _SCALE_DTYPES:
+            raise ConvertError(f"{self.scale_of(name)} is {scale[1]} {scale[0]}, but a "
+                               f"{found[0]} weight in blocks of {list(self.block)} (config.json's "
+                               f"weight_block_size) has {shape} float scales")
+
+    def dequantize(self, weight: torch.Tensor, scale: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        rows, columns = weight.shape
+        per_element = scale.float().repeat_interleave(self.block[0], dim=0)[:rows] \
+            .repeat_interleave(self.block[1], dim=1)[:, :columns]
+        return (weight.float() * per_element).to(dtype)
+
+
+def block_fp8_of(config) -> BlockFP8 | None:
+    """The checkpoint's block-wise FP8 scheme, None where config.json states no quantization;
+    any other quantization is refused (its weights are not what the model computes with)."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    method, fmt = quantization.get("quant_method"), quantization.get("fmt", "e4m3")
+    block = quantization.get("weight_block_size")
+    if method != "fp8" or fmt != "e4m3" or not block or len(block) != 2:
+        raise ConvertError(f"config.json's quantization_config (quant_method {method!r}, fmt "
+                           f"{fmt!r}, weight_block_size {block!r}) is not read here: import-hf "
+                           "dequantizes block-wise FP8 (quant_method 'fp8', fmt 'e4m3', two "
+                           "block sizes: DeepSeek-V3's, Kimi K2's); fix: a full-precision "
+                           "(bf16) copy of the model")
+    return BlockFP8((int(block[0]), int(block[1])))
