@@ -9,8 +9,8 @@ config.json implies) and dtype, and every tensor's place in the model. The weigh
 model is built on the meta device and each megatron parameter is made from its HF tensors (read
 once) when megatron's save writes it; a tensor holding NaN or Inf stops the conversion there,
 and the staged output is removed. Block-wise FP8 weights (DeepSeek-V3's release) are
-dequantized as they are read (`block_fp8`). Multi-token-prediction layers become megatron's MTP layers
-where megatron can hold them (`_mtp_layers_imported`).
+dequantized as they are read (`block_fp8`). Multi-token-prediction layers become megatron's MTP
+layers where megatron can hold them (`_mtp_layers_imported`).
 """
 
 from __future__ import annotations
