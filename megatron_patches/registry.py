@@ -141,6 +141,7 @@ PATCH_MODULES = (
     "megatron_patches.build.attention_sink_tensor_parallel",
     "megatron_patches.build.local_mla_core_attention",
     "megatron_patches.build.mla_q_projection_without_norm",
+    "megatron_patches.build.mla_yarn_flags",
     "megatron_patches.build.cpu_initialization_to_device",
     "megatron_patches.checkpointing.moe_norm_checkpoint_key",
     "megatron_patches.checkpointing.mla_norm_checkpoint_keys",

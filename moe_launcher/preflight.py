@@ -618,6 +618,22 @@ def check_multi_latent_attention_spec(args) -> None:
                              "installed")
 
 
+@preflight_check("mla-yarn-flags", machine=True)
+def check_mla_yarn_flags(args) -> None:
+    # (MLA's rope is yarn unless --rope-type says otherwise)
+    if not args.multi_latent_attention or args.rope_type not in (None, "yarn"):
+        return
+    from megatron_patches.build.mla_yarn_flags import YARN_FIELDS, mla_config_takes_yarn_flags
+
+    given = [arg for arg in YARN_FIELDS if getattr(args, arg, None) is not None]
+    if given and not mla_config_takes_yarn_flags():  # (patch mla-yarn-flags left out)
+        flag = "--" + given[0].replace("_", "-")
+        raise PreflightError(flag, f"{flag} with --multi-latent-attention: megatron-core 0.19.2 "
+                                   "builds MLA's YaRN without it (beta_fast 32, beta_slow 1, "
+                                   "original context 4096) and says nothing; fix: keep the patch "
+                                   "mla-yarn-flags applied (out of MEGATRON_PATCHES_DISABLE)")
+
+
 @preflight_check("moe-tensor-parallel-sequence-parallel")
 def check_moe_tensor_parallel_sequence_parallel(args) -> None:
     # megatron's MoE layer raises this in its first training forward, not in validate_args.

@@ -5,6 +5,8 @@ router, the vocabulary). Keys megatron cannot express are refused by name, never
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from .errors import ConvertError
 from .families import Family, refuse_if
 
@@ -23,27 +25,48 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-# The yarn rope of megatron's multi-latent attention (MLATransformerConfig): no flag sets these.
-MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                  "truncate": True}
+# The yarn rope of megatron's multi-latent attention (MLATransformerConfig): the keys its flags
+# set (megatron's defaults, and the flag of each: patch mla-yarn-flags makes MLA take them), and
+# the one it fixes (the correction range rounded to integers, transformers' `truncate`).
+class YarnFlag(NamedTuple):
+    default: float | int  # megatron's MLA value without the flag
+    flag: str
+    arg: str  # the flag's name in megatron's args
+
+
+MLA_YARN_FLAGS = {
+    "original_max_position_embeddings": YarnFlag(4096, "--yarn-original-max-position-embeddings",
+                                                 "yarn_original_max_position_embeddings"),
+    "beta_fast": YarnFlag(32.0, "--yarn-beta-fast", "yarn_beta_fast"),
+    "beta_slow": YarnFlag(1.0, "--yarn-beta-slow", "yarn_beta_slow")}
+MLA_YARN_TRUNCATE = True
 
 
 def _mla_rope_flags(rope: dict, kind: str, max_positions: int) -> list[str]:
     """megatron's MLA rope: plain (its fused MLA rope computes yarn only), or yarn with its
-    scaling factor and DeepSeek's two mscales (the rope's cos/sin scaled by mscale(factor,
-    mscale) / mscale(factor, mscale_all_dim), the softmax by mscale(factor, mscale_all_dim)^2)."""
+    scaling factor, DeepSeek's two mscales (the rope's cos/sin scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), the softmax by mscale(factor, mscale_all_dim)^2), and the
+    original context and betas where they are not megatron's defaults."""
     if kind == "default":
         return ["--rope-type", "rope", "--no-rope-fusion"]
     refuse_if(kind != "yarn", "rope_parameters.rope_type (rope_scaling)", kind,
               "megatron's multi-latent attention computes plain rope or yarn")
-    for key, fixed in MLA_YARN_FIXED.items():
-        value = rope.get(key)
-        refuse_if(value is not None and value != fixed, f"rope_parameters.{key}", value,
-                  f"megatron's multi-latent attention fixes its yarn {key} at {fixed!r} (no flag)")
+    truncate = rope.get("truncate")
+    refuse_if(truncate is not None and truncate != MLA_YARN_TRUNCATE, "rope_parameters.truncate",
+              truncate, "megatron's multi-latent attention rounds yarn's correction range to "
+                        "integers (no flag)")
+    yarn = {key: known.default if rope.get(key) is None else rope[key]
+            for key, known in MLA_YARN_FLAGS.items()}
+    set_apart = []  # (megatron's defaults need no flag)
+    for key, known in MLA_YARN_FLAGS.items():
+        if yarn[key] != known.default:
+            value = yarn[key]
+            set_apart += [known.flag, str(int(value)) if isinstance(known.default, int)
+                          else repr(float(value))]
     refuse_if(rope.get("attention_factor") is not None, "rope_parameters.attention_factor",
               rope.get("attention_factor"), "megatron derives yarn's attention factor from the "
               "mscales (no flag)")
-    factor = rope.get("factor") or max_positions / MLA_YARN_FIXED["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / yarn["original_max_position_embeddings"]
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
     # transformers uses both mscales only where both are set, else mscale(factor) alone
     refuse_if(bool(mscale_all_dim) and not mscale, "rope_parameters.mscale", mscale,
@@ -52,7 +75,7 @@ def _mla_rope_flags(rope: dict, kind: str, max_positions: int) -> list[str]:
               "transformers then scales the rope by mscale(factor) alone, megatron by this mscale")
     return ["--rope-type", "yarn", "--rotary-scaling-factor", repr(float(factor)),
             "--mscale", repr(float(mscale or 1.0)),
-            "--mscale-all-dim", repr(float(mscale_all_dim or 0.0))]
+            "--mscale-all-dim", repr(float(mscale_all_dim or 0.0)), *set_apart]
 
 
 def _rope_flags(family: Family, config) -> list[str]:

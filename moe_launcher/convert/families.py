@@ -199,13 +199,15 @@ def _deepseek_v3_flags(config) -> list[str]:
 
 def _deepseek_rope(args) -> dict:
     """rope_parameters of megatron's MLA rope: plain, or yarn with the values megatron fixes."""
-    from .architecture import MLA_YARN_FIXED
+    from .architecture import MLA_YARN_FLAGS
 
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
     if args.rope_type == "yarn":
+        # (the --yarn-* flags' values, megatron's defaults where a flag was not given)
         return {**rope, "rope_type": "yarn", "factor": args.rotary_scaling_factor,
                 "mscale": args.mscale, "mscale_all_dim": args.mscale_all_dim,
-                **{key: value for key, value in MLA_YARN_FIXED.items() if key != "truncate"}}
+                **{key: known.default if getattr(args, known.arg, None) is None
+                   else getattr(args, known.arg) for key, known in MLA_YARN_FLAGS.items()}}
     # (megatron's MLA scales its softmax by mscale(rotary_scaling_factor, mscale_all_dim)^2
     # whatever the rope)
     if args.rope_type != "rope" or (args.rotary_scaling_factor > 1 and args.mscale_all_dim):

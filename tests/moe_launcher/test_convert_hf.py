@@ -137,6 +137,19 @@ def _deepseek_v2_groups():
                                "rope_parameters": None})
 
 
+# Kimi K2's published yarn (beta_fast 1, not DeepSeek-V3's 32: its config.json, moonshotai/
+# Kimi-K2-Instruct), at a tiny context (factor 2 over 128 positions), where the betas move the
+# rope's ramp between interpolated and extrapolated frequencies (with a 8-dim rope head, the
+# ramp starts at dimension 1 for beta_fast 1 and at 0 for 32)
+KIMI_K2_YARN = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 2.0,
+                "original_max_position_embeddings": 128, "beta_fast": 1.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def _kimi_k2_yarn():
+    return _deepseek_v3(rope_parameters=dict(KIMI_K2_YARN), max_position_embeddings=256)
+
+
 def _qwen3_moe_tied():
     config = _qwen3_moe()
     config.tie_word_embeddings = True
@@ -152,7 +165,8 @@ def _qwen3_moe_tied_bf16():
 FAMILIES = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "qwen2_moe": _qwen2_moe,
             "qwen3_moe_dense": _qwen3_moe_dense, "qwen2_moe_sparse_step": _qwen2_moe_sparse_step,
             "glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3,
-            "deepseek_v2_lite": _deepseek_v2_lite, "deepseek_v2_groups": _deepseek_v2_groups}
+            "deepseek_v2_lite": _deepseek_v2_lite, "deepseek_v2_groups": _deepseek_v2_groups,
+            "kimi_k2_yarn": _kimi_k2_yarn}
 # Tied embeddings (megatron without --untie-embeddings-and-output-weights): trained at PP2; in
 # bf16 (--bf16) with the renormalised top-k (megatron's default router): round trip only.
 VARIANTS = {**FAMILIES, "qwen3_moe_tied": _qwen3_moe_tied,
@@ -245,6 +259,34 @@ def test_imported_checkpoint_gives_transformers_logits(converted):
     # The padding rows are zeros: their logits are exactly 0, the same at every layout.
     assert logits.shape[-1] == 256 and torch.all(logits[..., VOCAB:] == 0)
     print(f"{family}: max abs logit difference {diff:.3g}")
+
+
+def test_kimi_k2_yarn_reaches_megatrons_mla_through_patch_mla_yarn_flags(family_conversions,
+                                                                         monkeypatch):
+    """Kimi K2's yarn betas and original context: import-hf passes them as --yarn-beta-fast and
+    --yarn-original-max-position-embeddings (beta_slow 1 is megatron's own), and its checkpoint
+    gives transformers' logits (test_imported_checkpoint_gives_transformers_logits). megatron's
+    MLA takes those flags only through patch mla-yarn-flags: left out, the same checkpoint
+    computes DeepSeek-V3's default yarn (beta_fast 32, 4096) and its logits are not
+    transformers'. Export writes the values back."""
+    from megatron.training import argument_utils
+    from transformers import AutoModelForCausalLM
+
+    from _unpatched import leave_out
+
+    _, hf_dir, ckpt, exported = family_conversions("kimi_k2_yarn")
+    flags = (ckpt / "model_flags.txt").read_text().split()
+    assert flags[flags.index("--yarn-beta-fast") + 1] == "1.0"
+    assert flags[flags.index("--yarn-original-max-position-embeddings") + 1] == "128"
+    assert "--yarn-beta-slow" not in flags
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(tokens).logits
+    assert (_megatron_logits(ckpt, tokens)[..., :VOCAB] - expected).abs().max() < 1e-4
+    leave_out(monkeypatch, "mla-yarn-flags", argument_utils, "core_transformer_config_from_args")
+    assert (_megatron_logits(ckpt, tokens)[..., :VOCAB] - expected).abs().max() > 1e-3
+    rope = json.loads((exported / "config.json").read_text())["rope_parameters"]
+    assert {key: rope[key] for key in KIMI_K2_YARN} == KIMI_K2_YARN
 
 
 def test_checkpoint_is_a_release_with_the_flags_that_built_it(converted):
@@ -1209,10 +1251,8 @@ def test_export_refuses_deepseek_variants_no_family_maps(remove, add, named, fam
     # rope_interleave false rotates the first half of each rope head against the second;
     # megatron's multi-latent attention rotates interleaved pairs
     ({"rope_interleave": False}, "rope_interleave"),
-    # megatron's MLA yarn has no flag for these
-    ({"rope_parameters": {**YARN, "original_max_position_embeddings": 8192}},
-     "original_max_position_embeddings"),
-    ({"rope_parameters": {**YARN, "beta_fast": 16.0}}, "beta_fast"),
+    # megatron's MLA yarn has no flag for this one (its correction range is rounded)
+    ({"rope_parameters": {**YARN, "truncate": False}}, "rope_parameters.truncate"),
     # transformers' rope scale then ignores mscale_all_dim, megatron's does not
     ({"rope_parameters": {**YARN, "mscale": None}}, "rope_parameters.mscale"),
     ({"rope_parameters": {**YARN, "rope_type": "linear"}}, "rope_type"),
