@@ -30,6 +30,7 @@ from .staging import check_target, staged_folder
 from .tensor_map import fuse, hf_shapes, mtp_copies, rules, unmapped
 
 FLAGS_FILE = "model_flags.txt"
+ROPE_BUFFER = ".rotary_emb.inv_freq"
 
 
 def hf_config(family: Family, hf_dir: str):
@@ -102,10 +103,13 @@ class _Weights:
                     found = (found[0], SAFETENSORS_DTYPES.get(target.dtype))
                     self.quantized.add(name)
                 _check_header(name, found, shape, target.dtype)
+        # rope buffers some checkpoints keep (Kimi K2's, one an attention layer): derived from
+        # config.json, which megatron computes its rope from, as transformers and vLLM do
+        self.rope_buffers = [name for name in tensors.weight_map if name.endswith(ROPE_BUFFER)]
         tensors.check_all_placed({name for rule in self.rules.values() for name in rule.hf}
                                  | {name for rule in mtp_copies(family, config) for name in rule.hf}
                                  | {self.fp8.scale_of(name) for name in self.quantized}
-                                 | set(left_out))
+                                 | set(self.rope_buffers) | set(left_out))
         if unfilled := unmapped(params, family, config):
             raise ConvertError(f"the mapping leaves megatron parameters unset: "
                                f"{', '.join(unfilled[:3])}")
@@ -173,6 +177,10 @@ def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> Non
     with torch.device("meta"):  # names and shapes: each weight is read as it is written
         model = megatron_side.build(model_config)
     weights = _Weights(model, family, config, tensors, left_out, fp8)
+    if weights.rope_buffers:
+        print(f"convert: import-hf: {len(weights.rope_buffers)} {ROPE_BUFFER.lstrip('.')} buffers "
+              "are not read: the rope is computed from config.json, as transformers and vLLM "
+              "compute it", flush=True)
     if weights.quantized:
         print(f"convert: import-hf: {len(weights.quantized)} weights stored as block-wise FP8 "
               f"(blocks of {list(weights.fp8.block)}) are dequantized to "

@@ -289,6 +289,20 @@ def test_kimi_k2_yarn_reaches_megatrons_mla_through_patch_mla_yarn_flags(family_
     assert {key: rope[key] for key in KIMI_K2_YARN} == KIMI_K2_YARN
 
 
+def test_rope_buffers_of_a_checkpoint_are_not_read(family_conversions, tmp_path):
+    """Kimi K2's checkpoint keeps a rotary_emb.inv_freq buffer in every attention layer (of
+    another length than its rope's: a leftover): derived data, which transformers and vLLM do
+    not load either. import-hf says it does not read them; the checkpoint is the same."""
+    _, hf_dir, ckpt, _ = family_conversions("kimi_k2_yarn")
+    buffers = _with_tensors(hf_dir, tmp_path / "buffers", lambda tensors: {
+        **tensors, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(7)
+                      for i in range(3)}})
+    run = convert("import-hf", buffers, tmp_path / "ckpt")
+    assert "convert: import-hf: 3 rotary_emb.inv_freq buffers are not read" in run.stdout
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_megatron_logits(tmp_path / "ckpt", tokens), _megatron_logits(ckpt, tokens))
+
+
 def test_checkpoint_is_a_release_with_the_flags_that_built_it(converted):
     from moe_launcher.convert import megatron_side
 
@@ -381,6 +395,10 @@ PUBLISHED = REPO / "tests" / "examples" / "published_configs"
     # DeepSeek-V3: q in two projections, its yarn, 8 expert groups choosing 4; the published
     # 671B (without its MTP layer)
     ("deepseek_v3", "DeepseekV3ForCausalLM", 671, "--q-lora-rank"),
+    # Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json, as a public model report quotes it):
+    # DeepSeek-V3's layers with 384 experts in one group, 64 heads, its yarn with beta_fast 1;
+    # 1,026.4B (the report's sum of its weights, less the FP8 scales and rope buffers)
+    ("kimi_k2", "DeepseekV3ForCausalLM", 1026.4, "--yarn-beta-fast"),
 ])
 def test_published_config_builds_with_transformers_parameter_count(published, architecture,
                                                                    billions, flag, tmp_path,
