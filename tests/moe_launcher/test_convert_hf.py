@@ -1830,6 +1830,22 @@ def test_block_fp8_checkpoint_imports_as_transformers_dequantizes_it(family_conv
     assert f"is F8_E4M3 without {scale}" in refused(capsys, tmp_path, "import-hf", unscaled)
 
 
+def test_block_fp8_mtp_layer_imports_as_its_dequantized_weights(mtp_folders, tmp_path):
+    """DeepSeek-V3's release as a whole: FP8 weights in its MTP layer too (blocks of 16, cut
+    short at 24 rows). The MTP layer imports and its logits are those of the reference MTP
+    forward on the weights dequantized block by block."""
+    folder = mtp_folders("deepseek_v3")
+    fp8 = _fp8_folder(folder, tmp_path / "fp8", (16, 16))
+    run = convert("import-hf", fp8, tmp_path / "ckpt")
+    assert "imported as megatron's MTP layers" in run.stdout and "dequantized" in run.stdout
+    plain = _with_tensors(folder, tmp_path / "dequantized",
+                          lambda tensors: _dequantized(_block_fp8(tensors, (16, 16)), (16, 16)))
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    expected = _transformers_mtp_logits(plain, tokens, tmp_path / "reference")
+    diff = (_megatron_mtp_logits(tmp_path / "ckpt", tokens)[:, :-1, :VOCAB] - expected).abs().max()
+    assert diff < 1e-4, diff
+
+
 def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys):
     missing = shutil.copytree(qwen_dir, tmp_path / "missing")
     shard = sorted(missing.glob("*.safetensors"))[1]
