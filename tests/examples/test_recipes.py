@@ -49,6 +49,7 @@ GPU_RECIPES = {
                                "--expert-model-parallel-size"),
     "moonlight_16b_a3b_pp": (1, dict(GPUS_PER_NODE="6"), "--pipeline-model-parallel-size"),
     "deepseek_v3_pp": (64, dict(NODES="32"), "--expert-model-parallel-size"),
+    "deepseek_v3_fsdp": (64, dict(NODES="1", GPUS_PER_NODE="4"), "--expert-model-parallel-size"),
 }
 # The tiny CPU twin of each Megatron-FSDP recipe (recipes/_cpu_twin.sh), and its recipe.
 TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}

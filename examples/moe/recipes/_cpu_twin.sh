@@ -26,7 +26,8 @@ RECIPE_LOG_INTERVAL=1  # a few CPU iterations: every one logged
 declare -A TINY_SIZES=(
   [--num-layers]=2 [--hidden-size]=64 [--ffn-hidden-size]=128
   [--num-attention-heads]=4 [--num-query-groups]=2 [--kv-channels]=16
-  [--kv-lora-rank]=32 [--qk-head-dim]=16 [--qk-pos-emb-head-dim]=8 [--v-head-dim]=16
+  [--q-lora-rank]=32 [--kv-lora-rank]=32 [--qk-head-dim]=16 [--qk-pos-emb-head-dim]=8
+  [--v-head-dim]=16
   [--seq-length]=64 [--max-position-embeddings]=64
   [--num-experts]=16 [--moe-ffn-hidden-size]=32 [--moe-shared-expert-intermediate-size]=64
   # DeepSeek's first layer dense, the rest MoE, at 2 layers

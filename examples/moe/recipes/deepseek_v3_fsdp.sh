@@ -1,0 +1,20 @@
+# shellcheck shell=bash disable=SC2034
+# DeepSeek-V3, Megatron-FSDP + expert tensor parallel, 64 nodes x 8 H100 80GB (512 GPUs): no
+# pipeline (the MTP module beside the 61 layers on every GPU), the dense part sharded over DP512
+# (optim_grads_params); experts EP4 x ETP2 (one node: 64 experts a GPU, each split in two; the
+# all-to-all stays on NVLink), expert-DP 64 across nodes. Every layer recomputed in the backward (full, uniform, one layer a block): without
+# a pipeline one GPU keeps the activations of all 61 layers and the MTP module (an estimate: about
+# 2 GB a layer at 4096 tokens, over 80 GB in all; the dry run counts no activations); recomputed,
+# only each layer's input (58 MB) is kept.
+# shellcheck source=/dev/null
+source "$RECIPE_DIR/_model_deepseek_v3.sh"
+# shellcheck source=/dev/null
+source "$RECIPE_DIR/_gpu_common.sh"
+NODES=64
+GPUS_PER_NODE=8
+LAYOUT_ARGS=(
+  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+  --expert-model-parallel-size 4 --expert-tensor-parallel-size 2
+  "${FSDP_ARGS[@]}"
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+)
