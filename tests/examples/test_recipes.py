@@ -50,6 +50,7 @@ GPU_RECIPES = {
     "moonlight_16b_a3b_pp": (1, dict(GPUS_PER_NODE="6"), "--pipeline-model-parallel-size"),
     "deepseek_v3_pp": (64, dict(NODES="32"), "--expert-model-parallel-size"),
     "deepseek_v3_fsdp": (64, dict(NODES="1", GPUS_PER_NODE="4"), "--expert-model-parallel-size"),
+    "kimi_k2_pp": (128, dict(NODES="64"), "--expert-model-parallel-size"),
 }
 # The tiny CPU twin of each Megatron-FSDP recipe (recipes/_cpu_twin.sh), and its recipe.
 TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}
@@ -229,7 +230,7 @@ def test_public_parameter_counts():
     expected = {"mixtral_8x7b_pp": (46.7e9, 12.9e9), "qwen3_30b_a3b_pp": (30.5e9, 3.3e9),
                 "olmoe_1b_7b_pp": (6.9e9, 1.3e9), "deepseek_v2_lite_pp": (15.7e9, None),
                 "glm45_air_pp": (106e9, None), "moonlight_16b_a3b_pp": (16e9, 3e9),
-                "deepseek_v3_pp": (671e9, 37e9)}
+                "deepseek_v3_pp": (671e9, 37e9), "kimi_k2_pp": (1026e9, 32e9)}
     for recipe, (total, active) in expected.items():
         flags, world = resolved(recipe)
         args = plan.parse_megatron_flags(flags, world)
@@ -611,11 +612,13 @@ PUBLISHED = Path(__file__).parent / "published_configs"
 # sequence-wise balance loss and its multi-token-prediction module, which config.json does not
 # state (import-hf does not map the published MTP layer: it says so).
 _PLAIN_ROPE_BEFORE_YARN = {"rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
-                           "max_position_embeddings", "apply_rope_fusion"}
+                           "max_position_embeddings", "apply_rope_fusion", "yarn_beta_fast",
+                           "yarn_beta_slow", "yarn_original_max_position_embeddings"}
 RECIPE_OWN_ARGS = {"deepseek_v2_lite_pp": _PLAIN_ROPE_BEFORE_YARN,
                    "deepseek_v3_pp": _PLAIN_ROPE_BEFORE_YARN | {
                        "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-                       "mtp_loss_scaling_factor"}}
+                       "mtp_loss_scaling_factor"},
+                   "kimi_k2_pp": _PLAIN_ROPE_BEFORE_YARN}
 
 
 @pytest.mark.parametrize("recipe, published", [("qwen3_30b_a3b_pp", "qwen3_30b_a3b"),
@@ -623,7 +626,8 @@ RECIPE_OWN_ARGS = {"deepseek_v2_lite_pp": _PLAIN_ROPE_BEFORE_YARN,
                                                ("glm45_air_pp", "glm45_air"),
                                                ("deepseek_v2_lite_pp", "deepseek_v2_lite"),
                                                ("moonlight_16b_a3b_pp", "moonlight_16b_a3b"),
-                                               ("deepseek_v3_pp", "deepseek_v3")])
+                                               ("deepseek_v3_pp", "deepseek_v3"),
+                                               ("kimi_k2_pp", "kimi_k2")])
 def test_recipe_flags_are_what_import_hf_derives_from_the_published_config(
         recipe, published, tmp_path):
     """Both ways. The recipe's megatron args equal those of the recipe followed by the flags
