@@ -68,8 +68,8 @@ class Family:
         implied = {"add_qkv_bias": self.qkv_bias_key,
                    "moe_shared_expert_intermediate_size": self.shared_expert,
                    "moe_shared_expert_gate": self.shared_expert_gate,
-                   "moe_router_enable_expert_bias": self.expert_bias}
-        implied["mtp_num_layers"] = self.mtp_layers_key
+                   "moe_router_enable_expert_bias": self.expert_bias,
+                   "mtp_num_layers": self.mtp_layers_key}
         return self.maps_args | {arg for arg, tensors in implied.items() if tensors}
 
     def mtp_layers(self, config) -> int:
@@ -198,12 +198,12 @@ def _deepseek_v3_flags(config) -> list[str]:
 
 
 def _deepseek_rope(args) -> dict:
-    """rope_parameters of megatron's MLA rope: plain, or yarn with the values megatron fixes."""
+    """rope_parameters of megatron's MLA rope: plain, or yarn with its --yarn-* flags' values
+    (megatron's defaults where a flag was not given)."""
     from .architecture import MLA_YARN_FLAGS
 
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
     if args.rope_type == "yarn":
-        # (the --yarn-* flags' values, megatron's defaults where a flag was not given)
         return {**rope, "rope_type": "yarn", "factor": args.rotary_scaling_factor,
                 "mscale": args.mscale, "mscale_all_dim": args.mscale_all_dim,
                 **{key: known.default if getattr(args, known.arg, None) is None
