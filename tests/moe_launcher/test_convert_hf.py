@@ -228,21 +228,28 @@ def converted(request, family_conversions):
     return family_conversions(request.param)
 
 
-def _megatron_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
+def _megatron_model(ckpt: Path):
     """The checkpoint loaded the way export reads it: megatron's GPTModel at TP1 from the args
     saved in it (with the launcher's patches, as the converter applies them), its tensors
-    through dist_checkpointing."""
+    through dist_checkpointing; in eval mode."""
     from moe_launcher.convert import megatron_side
 
     megatron_side.start()
     path = megatron_side.iteration_dir(str(ckpt), None)
     model = megatron_side.build(megatron_side.world_one_config(megatron_side.saved_args(path)))
     megatron_side.load_into(model, path)
-    model.eval()
+    return model.eval()
+
+
+def _causal_forward(model, tokens: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)
     with torch.no_grad():
         return model(tokens, positions, causal[None, None])
+
+
+def _megatron_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
+    return _causal_forward(_megatron_model(ckpt), tokens)
 
 
 def test_imported_checkpoint_gives_transformers_logits(converted):
@@ -1571,21 +1578,13 @@ def _transformers_mtp_logits(folder: Path, tokens: torch.Tensor, scratch: Path) 
 def _megatron_mtp_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The logits of megatron's MTP layer (the second part of its MTP block's output, through the
     shared output layer) in the forward _megatron_logits runs."""
-    from moe_launcher.convert import megatron_side
-
-    megatron_side.start()
-    path = megatron_side.iteration_dir(str(ckpt), None)
-    model = megatron_side.build(megatron_side.world_one_config(megatron_side.saved_args(path)))
-    megatron_side.load_into(model, path)
-    model.eval()
+    model = _megatron_model(ckpt)
     outputs = []
     hook = model.mtp.register_forward_hook(lambda module, args, output: outputs.append(output))
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    causal = torch.triu(torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool), 1)
+    _causal_forward(model, tokens)
+    hook.remove()
+    (joined,) = outputs
     with torch.no_grad():
-        model(tokens, positions, causal[None, None])
-        hook.remove()
-        (joined,) = outputs
         logits, _ = model.output_layer(joined.chunk(2, dim=0)[1])
     return logits.transpose(0, 1)
 
