@@ -23,6 +23,14 @@ def shard_bytes(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2) or ""]
 
 
+def block_size(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*", text)
+    if not match or not all(int(size) > 0 for size in match.groups()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a block size like 128,128 (rows, "
+                                         "columns)")
+    return int(match.group(1)), int(match.group(2))
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, like every other refusal (argparse adds the usage)
         raise ConvertError(message)
@@ -53,6 +61,10 @@ def parser() -> argparse.ArgumentParser:
                                            "this model's config)")
     exp.add_argument("--max-shard-size", type=shard_bytes, default="5GB",
                      help="largest safetensors shard (default 5GB)")
+    exp.add_argument("--fp8-weight-block-size", type=block_size, metavar="ROWS,COLUMNS",
+                     help="write the attention and MLP projection weights as block-wise FP8 "
+                          "in blocks of this size, a float32 scale a block (DeepSeek-V3's "
+                          "release format: 128,128); default: full precision")
     to_dist = commands.add_parser("to-torch-dist", help="an fsdp_dtensor checkpoint's weights "
                                                         "-> a torch_dist release")
     to_fsdp = commands.add_parser("to-fsdp-dtensor", help="a torch_dist checkpoint's weights "
@@ -90,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             from .export_hf import export_hf
 
             export_hf(options.ckpt_dir, options.out_dir, options.iteration, options.tokenizer,
-                      options.max_shard_size, options.config_from)
+                      options.max_shard_size, options.config_from,
+                      options.fp8_weight_block_size)
     except ConvertError as error:
         print(error.line(), file=sys.stderr, flush=True)
         return EXIT_STATUS

@@ -3,7 +3,9 @@ folder that `AutoModelForCausalLM.from_pretrained` loads: config.json from the a
 checkpoint, sharded safetensors with their index, the tokenizer's files (--tokenizer's, else
 those of the run's own --tokenizer-model folder when it trained with HuggingFaceTokenizer), and
 with --config-from the source model's special token ids and generation_config.json (which no
-checkpoint holds), once its config.json is checked to describe the same model.
+checkpoint holds), once its config.json is checked to describe the same model. With
+--fp8-weight-block-size the projection weights are written as block-wise FP8, as DeepSeek-V3's
+release stores them (`block_fp8`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import torch
 
 from . import megatron_side
 from .architecture import hf_config_kwargs
+from .block_fp8 import BlockFP8, block_fp8_of, stored_as_fp8
 from .families import family_of_args
 from .hf_files import ShardWriter, copy_tokenizer, read_config_json, read_with_progress
 from .staging import check_target, staged_folder
 from .errors import ConvertError
-from .tensor_map import hf_shapes, mtp_copies, rules, split, unmapped
+from .tensor_map import GATE_UP, hf_shapes, mtp_copies, rules, split, unmapped
 
 
 # What a checkpoint does not hold and --config-from supplies: the special token ids (and the
@@ -81,8 +84,40 @@ def _run_tokenizer(args) -> str | None:
     return None
 
 
+def _fp8_names(mapping, params, fp8: BlockFP8) -> set[str]:
+    """The HF tensors written as FP8, once every fused SwiGLU pair splits at a block edge:
+    transformers and vLLM fuse gate_proj and up_proj again, with their scales, into one
+    block-wise FP8 matrix."""
+    names = set()
+    for rule in filter(lambda rule: stored_as_fp8(rule.megatron), mapping):
+        rows = params[rule.megatron].shape[0] // 2  # (of gate_proj, in a GATE_UP rule)
+        if rule.layout == GATE_UP and rows % fp8.block[0]:
+            raise ConvertError(f"--fp8-weight-block-size {fp8.block[0]},{fp8.block[1]}: "
+                               f"{rule.hf[0]} has {rows} rows, not a multiple of {fp8.block[0]}, "
+                               "and transformers and vLLM fuse it with its up_proj block by "
+                               "block; fix: a block row size that divides it")
+        names.update(rule.hf)
+    return names
+
+
+def _said_source_quantization(config_from: str, fp8: BlockFP8 | None) -> None:
+    """A source stored as block-wise FP8 and an export that is not (or in other blocks): said,
+    since the export is then another size (DeepSeek-V3: 1.3 TB in bf16, 0.7 TB as released)."""
+    try:
+        source = block_fp8_of(read_config_json(config_from).get("quantization_config"))
+    except ConvertError:
+        return
+    if source and source != fp8:
+        print(f"convert: export-hf: --config-from {config_from} is stored as block-wise FP8 "
+              f"(blocks of {list(source.block)}), this export "
+              f"{'in blocks of ' + str(list(fp8.block)) if fp8 else 'in full precision'}; "
+              f"--fp8-weight-block-size {source.block[0]},{source.block[1]} writes it as the "
+              "source is", flush=True)
+
+
 def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str | None,
-              max_shard_bytes: int, config_from: str | None = None) -> None:
+              max_shard_bytes: int, config_from: str | None = None,
+              fp8_block: tuple[int, int] | None = None) -> None:
     import transformers
 
     check_target(out_dir)
@@ -97,6 +132,9 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
         model = megatron_side.build(model_config)
     derived = hf_config_kwargs(family, args, dtype, megatron_side.moe_layers(model))
     source = _source_config(config_from, family, derived) if config_from else {}
+    fp8 = BlockFP8(fp8_block) if fp8_block else None
+    if config_from:
+        _said_source_quantization(config_from, fp8)
     config = getattr(transformers, family.config_class)(
         **derived, **{key: source[key] for key in TOKEN_IDS if key in source})
     if not config_from:
@@ -117,9 +155,19 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     # (each MTP layer's copies of the embedding and output head too, as DeepSeek-V3's
     # checkpoint holds them: vLLM's MTP loader reads them from there)
     mapping = rules(family, config) + mtp_copies(family, config)
-    planned = [(name, shape, params[rule.megatron].dtype) for rule in mapping
-               for name, shape in zip(rule.hf, hf_shapes(rule, params[rule.megatron].shape,
-                                                         config))]
+    fp8_names = _fp8_names(mapping, params, fp8) if fp8 else set()
+    planned = []
+    for rule in mapping:
+        for name, shape in zip(rule.hf, hf_shapes(rule, params[rule.megatron].shape, config)):
+            if name in fp8_names:
+                planned += [(name, shape, torch.float8_e4m3fn),
+                            (fp8.scale_of(name), fp8.scale_shape(shape), torch.float32)]
+            else:
+                planned.append((name, shape, params[rule.megatron].dtype))
+    if fp8:
+        config.quantization_config = fp8.quantization_config(sorted(
+            name.removesuffix(".weight") for name, shape, _ in planned
+            if len(shape) == 2 and name.endswith(".weight") and name not in fp8_names))
     with staged_folder(out_dir) as staging:
         if tokenizer:
             copy_tokenizer(tokenizer, staging)
@@ -128,7 +176,12 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
             for rule in mapping:
                 weight = read(rule.megatron)
                 for name, tensor in zip(rule.hf, split(rule, weight, config)):
-                    writer.add(name, tensor)
+                    if name in fp8_names:
+                        quantized, scale = fp8.quantize(tensor)
+                        writer.add(name, quantized)
+                        writer.add(fp8.scale_of(name), scale)
+                    else:
+                        writer.add(name, tensor)
                 del weight
         writer.finish()
         config.save_pretrained(staging)

@@ -123,11 +123,12 @@ class HFTensors:
 
 # safetensors' dtype names (its format: an 8-byte little-endian header length, a JSON header
 # naming each tensor's dtype, shape and [begin, end) byte offsets in the data that follows).
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                      torch.float8_e4m3fn: "F8_E4M3"}
 _DTYPE_OF_NAME = {**{name: dtype for dtype, name in SAFETENSORS_DTYPES.items()},
                   "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
                   "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+                  "F8_E5M2": torch.float8_e5m2}
 
 
 class ShardWriter:

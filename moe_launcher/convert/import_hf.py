@@ -168,7 +168,7 @@ def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> Non
     # what megatron would build otherwise and a quantization not read here: refused before the
     # shards are opened
     megatron_flags(family, config)
-    fp8 = block_fp8_of(config)
+    fp8 = block_fp8_of(getattr(config, "quantization_config", None))
     tensors = HFTensors(hf_dir)
     config, left_out = _mtp_layers_imported(family, config, tensors)
     flags = megatron_flags(family, config)

@@ -1716,6 +1716,14 @@ def test_multi_token_prediction_layers_megatron_cannot_share_are_left_out_and_sa
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
+def _released_as_fp8(name: str) -> bool:
+    """DeepSeek-V3's release (its safetensors headers): each decoder layer's attention and MLP
+    projections (kv_a_proj_with_mqa too, the MTP layer's too) are F8_E4M3; the embedding, heads,
+    norms, routers and the MTP layer's eh_proj are BF16."""
+    return re.fullmatch(r"model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?\w*_proj\w*\.weight",
+                        name) is not None
+
+
 def _block_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict:
     """`tensors` as DeepSeek-V3's release stores them (its README_WEIGHTS.md): each decoder
     layer's projection weight as float8_e4m3fn, block by block of `block` (the last block of a
@@ -1723,7 +1731,7 @@ def _block_fp8(tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> dict
     `<name>_scale_inv` (fp32, one a block); embedding, head, norms and routers as they are."""
     stored = {}
     for name, weight in tensors.items():
-        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+        if not _released_as_fp8(name):
             stored[name] = weight
             continue
         rows, columns = weight.shape
@@ -1783,7 +1791,8 @@ def test_block_fp8_checkpoint_imports_as_transformers_dequantizes_it(family_conv
     bit for bit the import of the weights transformers' FP8 dequantization gives, whose logits
     are transformers'; with blocks that do not divide the weights (the last ones cut short, as
     DeepSeek-V3's 576-row kv_a_proj_with_mqa in blocks of 128, which transformers'
-    dequantization refuses) bit for bit the import of the weights dequantized block by block,
+    dequantization refuses, or for 24 rows in blocks of 16 reads as 2 blocks of 12) bit for bit
+    the import of the weights dequantized block by block,
     and it exports as them, without quantization_config. Another quantization, and an FP8
     weight without its scales, are refused."""
     from transformers import AutoModelForCausalLM
@@ -1843,6 +1852,140 @@ def test_block_fp8_mtp_layer_imports_as_its_dequantized_weights(mtp_folders, tmp
     expected = _transformers_mtp_logits(plain, tokens, tmp_path / "reference")
     diff = (_megatron_mtp_logits(tmp_path / "ckpt", tokens)[:, :-1, :VOCAB] - expected).abs().max()
     assert diff < 1e-4, diff
+
+
+def _transformers_quantized(weight: torch.Tensor, block: tuple[int, int]):
+    """`weight` as transformers' FP8 quantizer writes it (Fp8Quantize, the op of its FP8 save
+    path): FP8 and its scales. A weight whose last blocks are cut short, which transformers
+    leaves unquantized, is zero-padded to whole blocks first (zeros do not change a block's
+    largest magnitude) and cut back after."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(FineGrainedFP8Config(weight_block_size=list(block)),
+                                            pre_quantized=False)
+    rows, columns = weight.shape
+    padded = weight.new_zeros(-(-rows // block[0]) * block[0], -(-columns // block[1]) * block[1])
+    padded[:rows, :columns] = weight
+    stored = Fp8Quantize(quantizer).convert({"w.weight": padded})
+    return stored["w.weight"][:rows, :columns], stored["w.weight_scale_inv"]
+
+
+def test_export_writes_block_fp8_as_deepseek_v3s_release_and_imports_it_back(mtp_folders,
+                                                                          tmp_path):
+    """--fp8-weight-block-size: the tensors DeepSeek-V3's release stores as FP8 (every decoder
+    layer's attention and MLP projection, the MTP layer's too; not the embedding, heads,
+    norms, routers or eh_proj) are written as FP8 with an fp32 scale a block, bit for bit what
+    transformers' FP8 quantizer gives (blocks cut short as V3's kv_a_proj_with_mqa: here 24
+    rows in blocks of 16), the rest as the full-precision export; config.json says so, and the
+    checkpoint imports back as the weights it stands for."""
+    folder = mtp_folders("deepseek_v3")
+    convert("import-hf", folder, tmp_path / "ckpt")
+    convert("export-hf", tmp_path / "ckpt", tmp_path / "plain")
+    convert("export-hf", tmp_path / "ckpt", tmp_path / "fp8", "--fp8-weight-block-size", "16,16")
+    plain, stored = _hf_tensors(tmp_path / "plain"), _hf_tensors(tmp_path / "fp8")
+    fp8 = set(filter(_released_as_fp8, plain))
+    assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in fp8
+    assert sorted(stored) == sorted([*plain, *(name + "_scale_inv" for name in fp8)])
+    for name, weight in plain.items():
+        if name in fp8:
+            quantized, scale = _transformers_quantized(weight, (16, 16))
+            assert stored[name].dtype == torch.float8_e4m3fn, name
+            assert torch.equal(stored[name].view(torch.uint8), quantized.view(torch.uint8)), name
+            assert torch.equal(stored[name + "_scale_inv"], scale), name
+        else:
+            assert torch.equal(stored[name], weight), name
+    quantization = json.loads((tmp_path / "fp8" / "config.json").read_text())[
+        "quantization_config"]
+    not_fp8 = quantization.pop("modules_to_not_convert")
+    assert quantization == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [16, 16]}
+    assert {"lm_head", "model.layers.1.mlp.gate", "model.layers.3.eh_proj",
+            "model.layers.3.shared_head.head"} <= set(not_fp8)
+    assert not set(not_fp8) & {name.removesuffix(".weight") for name in fp8}
+
+    run = convert("import-hf", tmp_path / "fp8", tmp_path / "ckpt_fp8")
+    assert "dequantized" in run.stdout and "imported as megatron's MTP layers" in run.stdout
+    convert("export-hf", tmp_path / "ckpt_fp8", tmp_path / "back")
+    back, dequantized = _hf_tensors(tmp_path / "back"), _dequantized(stored, (16, 16))
+    assert sorted(back) == sorted(dequantized)
+    assert all(torch.equal(back[name], dequantized[name]) for name in back)
+
+
+@pytest.mark.parametrize("family, block", [("qwen2_moe", (16, 16)), ("deepseek_v3", (8, 8))])
+def test_transformers_loads_the_fp8_export_as_fp8_layers_and_dequantized(family, block,
+                                                                         family_conversions,
+                                                                         tmp_path):
+    """transformers' own FP8 loading of the export. On a GPU (its quantizer's preparation of
+    the model, run here on the meta device) every layer it makes an FP8 layer finds its FP8
+    weight and scales in the export, and every linear it keeps finds a full-precision weight
+    (Qwen2-MoE's shared_expert_gate: listed in modules_to_not_convert). On CPU it loads it
+    dequantized, no key missing or left over, and its logits are those of transformers' model
+    of the weights transformers' dequantization gives, and of the megatron import of the
+    export."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    _, _, ckpt, _ = family_conversions(family)
+    out = tmp_path / "fp8"
+    convert("export-hf", ckpt, out, "--fp8-weight-block-size", ",".join(map(str, block)))
+    stored = _hf_tensors(out)
+    config = AutoConfig.from_pretrained(out)
+    quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    quantizer.preprocess_model(model)
+    kinds = set()
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            assert stored[name + ".weight"].dtype == torch.float8_e4m3fn, name
+            assert stored[name + ".weight_scale_inv"].shape == module.weight_scale_inv.shape, name
+        elif isinstance(module, FP8Experts):
+            experts = [tensor for key, tensor in stored.items() if key.startswith(name + ".")]
+            assert len(experts) == 6 * module.num_experts, name  # gate, up, down and scales
+            assert all(tensor.dtype in (torch.float8_e4m3fn, torch.float32)
+                       for tensor in experts), name
+        elif isinstance(module, torch.nn.Linear):
+            assert stored[name + ".weight"].dtype == torch.float32, name
+            assert name + ".weight_scale_inv" not in stored, name
+        kinds.add(type(module).__name__)
+    assert {"FP8Linear", "FP8Experts", "Linear"} <= kinds
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    reference = _with_tensors(out, tmp_path / "reference", _transformers_dequantized)
+    (reference / "config.json").write_text(json.dumps({
+        key: value for key, value in json.loads((out / "config.json").read_text()).items()
+        if key != "quantization_config"}))
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = loaded.eval()(tokens).logits
+        expected = AutoModelForCausalLM.from_pretrained(reference).eval()(tokens).logits
+    assert (logits - expected).abs().max() < 1e-5
+    convert("import-hf", out, tmp_path / "ckpt_fp8")
+    assert (_megatron_logits(tmp_path / "ckpt_fp8", tokens)[..., :VOCAB] - expected).abs().max() \
+        < 1e-4
+
+
+def test_fp8_export_refuses_blocks_that_split_a_swiglu_pair_and_says_a_fp8_source(
+        family_conversions, tmp_path, capsys):
+    """Blocks taller than an expert's gate_proj (which transformers and vLLM fuse with its
+    up_proj, block by block) and a block size that is not two numbers are refused, nothing
+    written; an export in full precision of a model whose --config-from source is block-wise FP8
+    says how to write it as the source is."""
+    _, hf_dir, ckpt, _ = family_conversions("deepseek_v3")
+    line = refused(capsys, tmp_path, "export-hf", ckpt, "--fp8-weight-block-size", "32,16")
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight has 16 rows, not a multiple of 32" \
+        in line, line
+    line = refused(capsys, tmp_path, "export-hf", ckpt, "--fp8-weight-block-size", "128")
+    assert "'128' is not a block size like 128,128" in line, line
+    source = _fp8_folder(hf_dir, tmp_path / "source", (8, 8))
+    run = convert("export-hf", ckpt, tmp_path / "plain", "--config-from", source)
+    assert f"--config-from {source} is stored as block-wise FP8 (blocks of [8, 8]), this export " \
+           "in full precision; --fp8-weight-block-size 8,8 writes it as the source is" \
+        in run.stdout, run.stdout
 
 
 def test_import_refuses_missing_and_truncated_shards(qwen_dir, tmp_path, capsys):
