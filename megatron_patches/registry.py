@@ -150,6 +150,7 @@ PATCH_MODULES = (
     "megatron_patches.checkpointing.distopt_reshardable_bucket_offsets",
     "megatron_patches.moe.router_token_counts_fp32",
     "megatron_patches.moe.mla_shared_rope_key_gradient",
+    "megatron_patches.moe.qk_clip_distributed_optimizer",
     "megatron_patches.checkpointing.scheduler_resume_weight_decay",
     "megatron_patches.checkpointing.exit_signal_one_sync",
     "megatron_patches.moe.global_aux_loss_dp_scale",

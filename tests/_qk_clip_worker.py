@@ -1,0 +1,120 @@
+"""One rank of test_qk_clip_distributed_optimizer_cpu (CPU, gloo, 2 data-parallel ranks).
+
+Applies the patches as pretrain_moe.py does (MEGATRON_PATCHES_DISABLE honoured), builds a tiny
+bf16 GPT (multi-latent attention with argv[1] == "mla", else GQA) with megatron's QK-clip on,
+wraps it as megatron's training does (Float16Module, DDP) and makes megatron's distributed
+optimizer, which keeps each weight's fp32 master as a flat shard on one rank. It then sets each
+layer's largest attention logits (what Transformer Engine's attention reports; the local spec
+reports none) with some heads past --qk-clip-threshold and calls megatron's own `clip_qk`, the
+call of its train_step after the optimizer step. Rank 0 prints, per clipped weight, the largest
+difference between the whole fp32 master after the clip (the ranks' shards summed) and the
+reference: the master before it scaled as the Kimi K2 report's QK-clip scales it (eta = min(1,
+threshold / max logit) per head, or per query group for GQA; query rows by eta^alpha, MLA's rope
+query rows by eta, key rows by eta^(1 - alpha), values and the shared rope key untouched).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_launcher import cpu_backend  # noqa: E402
+
+cpu_backend.activate()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer.qk_clip import clip_qk  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+
+import _megatron_cpu as cpu  # noqa: E402
+from _unpatched import apply_all  # noqa: E402
+
+THRESHOLD, ALPHA = 3.0, 0.4
+HEADS = 4
+MLA = dict(multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=16, qk_head_dim=16,
+           qk_pos_emb_head_dim=8, v_head_dim=12)
+GQA = dict(num_query_groups=2, kv_channels=16)
+
+
+def whole_masters(model, optimizer) -> dict[str, torch.Tensor]:
+    """Each clipped weight's fp32 master as a whole: the shards the ranks own, summed over the
+    data-parallel group (zeros elsewhere). Read through megatron's optimizer, not the patch."""
+    masters = {}
+    for name, param in model.named_parameters():
+        if not name.endswith(("linear_q_up_proj.weight", "linear_kv_up_proj.weight",
+                              "linear_qkv.weight")):
+            continue
+        whole = torch.zeros(param.numel(), dtype=torch.float32, device=torch.cuda.current_device())
+        if param.main_param is not None:
+            (owner,) = [opt for opt in optimizer.chained_optimizers
+                        if param in opt.model_param_gbuf_map]
+            start = owner._get_model_param_range_map(param)["param"].start
+            whole[start:start + param.main_param.numel()] = param.main_param
+        dist.all_reduce(whole)
+        masters[name] = whole.view(param.shape)
+    return masters
+
+
+def reference(name: str, master: torch.Tensor, logits: torch.Tensor, config) -> torch.Tensor:
+    """QK-clip's scaling of one weight, per the Kimi K2 report, row block by row block."""
+    scaled = master.clone()
+    if config.multi_latent_attention:
+        eta = torch.clamp(THRESHOLD / logits, max=1.0)
+        nope, rope, value = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+        if "linear_q_up_proj" in name:  # per head: [nope query | rope query]
+            rows = scaled.view(HEADS, nope + rope, -1)
+            rows[:, :nope] *= eta.pow(ALPHA).view(HEADS, 1, 1)
+            rows[:, nope:] *= eta.view(HEADS, 1, 1)
+        else:  # linear_kv_up_proj, per head: [nope key | value]
+            rows = scaled.view(HEADS, nope + value, -1)
+            rows[:, :nope] *= eta.pow(1 - ALPHA).view(HEADS, 1, 1)
+        return scaled
+    groups, dim = config.num_query_groups, config.kv_channels
+    eta = torch.clamp(THRESHOLD / logits.view(groups, -1).max(dim=1).values, max=1.0)
+    per_group = HEADS // groups
+    rows = scaled.view(groups, (per_group + 2) * dim, -1)  # per group: [its queries | k | v]
+    rows[:, :per_group * dim] *= eta.pow(ALPHA).view(groups, 1, 1)
+    rows[:, per_group * dim:(per_group + 1) * dim] *= eta.pow(1 - ALPHA).view(groups, 1, 1)
+    return scaled
+
+
+def main(attention: str) -> None:
+    apply_all()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = cpu.tiny_config(**(MLA if attention == "mla" else GQA), num_attention_heads=HEADS,
+                             qk_clip=True, qk_clip_threshold=THRESHOLD, qk_clip_alpha=ALPHA,
+                             bf16=True, params_dtype=torch.bfloat16)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                              grad_reduce_in_fp32=True),
+        Float16Module(config, cpu.build_gpt(config, seq_length=16)))
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True),
+        [model])
+    # layer 0: heads 0 and 2 past the threshold; layer 1: none (megatron leaves it as it is)
+    logits = [torch.tensor([12.0, 0.5, 4.0, 1.5]), torch.tensor([2.0, 1.0, 0.5, 2.5])]
+    before = whole_masters(model, optimizer)
+    for layer, layer_logits in zip(model.module.module.decoder.layers, logits):
+        layer.self_attention.core_attention.current_max_attn_logits = layer_logits.to(
+            torch.cuda.current_device())  # (where TE's attention leaves them)
+    clip_qk([model])
+    after = whole_masters(model, optimizer)
+    for name, master in before.items():
+        layer = int(name.split("layers.")[1].split(".")[0])
+        expected = reference(name, master, logits[layer], config)
+        changed = (after[name] - master).abs().max().item()
+        if dist.get_rank() == 0:
+            print(f"qk-clip: {name}: largest difference from the reference "
+                  f"{(after[name] - expected).abs().max().item():.3e}, changed by the clip "
+                  f"{changed:.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
