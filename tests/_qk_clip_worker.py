@@ -2,8 +2,11 @@
 
 Applies the patches as pretrain_moe.py does (MEGATRON_PATCHES_DISABLE honoured), builds a tiny
 bf16 GPT (multi-latent attention with argv[1] == "mla", else GQA) with megatron's QK-clip on,
-wraps it as megatron's training does (Float16Module, DDP) and makes megatron's distributed
-optimizer, which keeps each weight's fp32 master as a flat shard on one rank. It then sets each
+wraps it as megatron's training does (Float16Module, DDP) and makes, for argv[2] == "adam",
+megatron's distributed optimizer, which keeps each weight's fp32 master as a flat shard of
+each rank's range, or for "muon" what `--optimizer muon --use-distributed-optimizer` makes
+(MuonClip's optimizer: the layer-wise distributed optimizer, each weight's whole fp32 master on
+one rank). It then sets each
 layer's largest attention logits (what Transformer Engine's attention reports; the local spec
 reports none) with some heads past --qk-clip-threshold and calls megatron's own `clip_qk`, the
 call of its train_step after the optimizer step. Rank 0 prints, per clipped weight, the largest
@@ -50,11 +53,14 @@ def whole_masters(model, optimizer) -> dict[str, torch.Tensor]:
                               "linear_qkv.weight")):
             continue
         whole = torch.zeros(param.numel(), dtype=torch.float32, device=torch.cuda.current_device())
-        if param.main_param is not None:
+        master = getattr(param, "main_param", None)
+        if master is not None and master.shape == param.shape:  # the layer-wise optimizer's
+            whole += master.view(-1)
+        elif master is not None:  # a distributed-optimizer shard
             (owner,) = [opt for opt in optimizer.chained_optimizers
                         if param in opt.model_param_gbuf_map]
             start = owner._get_model_param_range_map(param)["param"].start
-            whole[start:start + param.main_param.numel()] = param.main_param
+            whole[start:start + master.numel()] = master
         dist.all_reduce(whole)
         masters[name] = whole.view(param.shape)
     return masters
@@ -83,7 +89,7 @@ def reference(name: str, master: torch.Tensor, logits: torch.Tensor, config) -> 
     return scaled
 
 
-def main(attention: str) -> None:
+def main(attention: str, optimizer_name: str) -> None:
     apply_all()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
@@ -91,12 +97,17 @@ def main(attention: str) -> None:
     config = cpu.tiny_config(**(MLA if attention == "mla" else GQA), num_attention_heads=HEADS,
                              qk_clip=True, qk_clip_threshold=THRESHOLD, qk_clip_alpha=ALPHA,
                              bf16=True, params_dtype=torch.bfloat16)
+    # (megatron's argument checks turn --optimizer muon --use-distributed-optimizer into the
+    # layer-wise optimizer over a DDP without the distributed optimizer's buffers)
+    sharded = optimizer_name == "adam"
     model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+        config, DistributedDataParallelConfig(use_distributed_optimizer=sharded,
                                               grad_reduce_in_fp32=True),
         Float16Module(config, cpu.build_gpt(config, seq_length=16)))
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True),
+        OptimizerConfig(optimizer=optimizer_name, lr=1e-3, bf16=True,
+                        use_distributed_optimizer=sharded,
+                        use_layer_wise_distributed_optimizer=not sharded),
         [model])
     # layer 0: heads 0 and 2 past the threshold; layer 1: none (megatron leaves it as it is)
     logits = [torch.tensor([12.0, 0.5, 4.0, 1.5]), torch.tensor([2.0, 1.0, 0.5, 2.5])]
@@ -117,4 +128,4 @@ def main(attention: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -94,7 +94,11 @@ def simulated_hopper():
         stack.enter_context(mock.patch.object(torch.cuda, "get_device_capability",
                                               return_value=(9, 0)))
         stack.enter_context(mock.patch.object(margs, "get_device_arch_version", return_value=9))
-        stack.enter_context(mock.patch.object(tcfg, "is_te_min_version", return_value=True))
+        # (megatron's argument checks import their own name of it: --qk-clip and
+        # --log-max-attention-logit ask for TE >= 2.9 there)
+        for module in (tcfg, margs):
+            stack.enter_context(mock.patch.object(module, "is_te_min_version",
+                                                  return_value=True))
         if getattr(rope, "fused_apply_rotary_pos_emb", None) is None:
             stack.enter_context(mock.patch.object(rope, "fused_apply_rotary_pos_emb", te_stub,
                                                   create=True))

@@ -62,7 +62,8 @@ def _recording_shard_starts(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        for group in self.model_float16_groups:
+        # (Megatron-FSDP's use of the class keeps its masters otherwise and has no such groups)
+        for group in getattr(self, "model_float16_groups", ()):
             for param in group:
                 if getattr(param, "main_param", None) is not None:
                     setattr(param, SHARD_START, self._get_model_param_range_map(param)["param"].start)

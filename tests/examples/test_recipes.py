@@ -203,6 +203,16 @@ def test_dry_run_refuses_megatron_fsdp_with_pipeline_parallelism(monkeypatch):
     assert "dry run FAILED" in err and "--pipeline-model-parallel-size" in err and "fix" in err, err
     assert "Megatron-FSDP lays its device mesh" in err, err
 
+def test_dry_run_takes_flags_megatron_checks_against_the_images_transformer_engine(monkeypatch):
+    """megatron takes --qk-clip (MuonClip's QK-clip) with Transformer Engine >= 2.9, which the
+    cluster image has; the dry run, on a machine without TE, refused it ("--qk-clip is only
+    supported with TE >= 2.9.0"), a false refusal of a run the cluster would start."""
+    rc, out, err = dry_run("kimi_k2_pp", monkeypatch,
+                           extra=["--qk-clip", "--qk-clip-threshold", "100"])
+    assert rc == 0, err
+    assert "dry run OK" in out
+
+
 @pytest.mark.parametrize("twin", sorted(TWINS))
 def test_fsdp_twin_takes_its_flags_from_its_recipe(twin):
     """A twin has its GPU recipe's flags, less the CPU-only drops; the recipe's layout values

@@ -14,9 +14,13 @@
 # What the recipe sets otherwise, not stated by config.json (test_recipes RECIPE_OWN_ARGS):
 # sequence length 4096 with plain RoPE before the YaRN extension (config.json's yarn: factor 32
 # over 4096 positions, beta_fast 1, which import-hf maps and patch mla-yarn-flags makes MLA
-# take), hence --no-rope-fusion. Kimi K2 was trained with MuonClip (Muon with QK-clip), which
-# megatron-core does not have: the recipe keeps the GPU recipes' AdamW; EXTRA_ARGS="--optimizer
-# muon" runs megatron's Muon without QK-clip.
+# take), hence --no-rope-fusion. Kimi K2 was trained with MuonClip (Muon with QK-clip at
+# threshold 100); the recipe keeps the GPU recipes' AdamW. EXTRA_ARGS="--optimizer muon
+# --qk-clip --qk-clip-threshold 100" runs megatron's MuonClip (with the recipe's
+# --use-distributed-optimizer megatron's layer-wise distributed Muon; QK-clip needs Transformer
+# Engine >= 2.9, as in the cluster image); "--qk-clip ..." alone clips under AdamW's distributed
+# optimizer through patch qk-clip-distributed-optimizer. Their clip is judged on CPU
+# (test_qk_clip_distributed_optimizer_cpu.py); no run of them here (no GPU).
 VOCAB_SIZE=163840
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 # It is tiktoken behind code of its own (tokenization_kimi.TikTokenTokenizer), which runs only
