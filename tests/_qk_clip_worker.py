@@ -1,15 +1,18 @@
-"""One rank of test_qk_clip_distributed_optimizer_cpu (CPU, gloo, 2 data-parallel ranks).
+"""One rank of test_qk_clip_cpu (CPU, gloo, 2 data-parallel ranks).
 
 Applies the patches as pretrain_moe.py does (MEGATRON_PATCHES_DISABLE honoured), builds a tiny
-bf16 GPT (multi-latent attention with argv[1] == "mla", else GQA) with megatron's QK-clip on,
+bf16 GPT (multi-latent attention with argv[1] == "mla", else GQA; "mla-mtp": MLA and a
+multi-token-prediction layer, DeepSeek-V3's) with megatron's QK-clip on,
 wraps it as megatron's training does (Float16Module, DDP) and makes, for argv[2] == "adam",
 megatron's distributed optimizer, which keeps each weight's fp32 master as a flat shard of
 each rank's range, or for "muon" what `--optimizer muon --use-distributed-optimizer` makes
 (MuonClip's optimizer: the layer-wise distributed optimizer, each weight's whole fp32 master on
 one rank). It then sets each
 layer's largest attention logits (what Transformer Engine's attention reports; the local spec
-reports none) with some heads past --qk-clip-threshold and calls megatron's own `clip_qk`, the
-call of its train_step after the optimizer step. Rank 0 prints, per clipped weight, the largest
+reports none) with some heads past --qk-clip-threshold and calls `clip_qk` as megatron's
+train_step does after the optimizer step (its module's name, which the patches may replace).
+Rank 0 prints the largest logit clip_qk returns (what megatron logs) and, per clipped weight,
+the largest
 difference between the whole fp32 master after the clip (the ranks' shards summed) and the
 reference: the master before it scaled as the Kimi K2 report's QK-clip scales it (eta = min(1,
 threshold / max logit) per head, or per query group for GQA; query rows by eta^alpha, MLA's rope
@@ -31,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer.qk_clip import clip_qk  # noqa: E402
+from megatron.training import training  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 import _megatron_cpu as cpu  # noqa: E402
@@ -94,8 +97,10 @@ def main(attention: str, optimizer_name: str) -> None:
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = cpu.tiny_config(**(MLA if attention == "mla" else GQA), num_attention_heads=HEADS,
-                             qk_clip=True, qk_clip_threshold=THRESHOLD, qk_clip_alpha=ALPHA,
+    config = cpu.tiny_config(**(MLA if attention.startswith("mla") else GQA),
+                             mtp_num_layers=1 if attention == "mla-mtp" else None,
+                             num_attention_heads=HEADS, qk_clip=True,
+                             qk_clip_threshold=THRESHOLD, qk_clip_alpha=ALPHA,
                              bf16=True, params_dtype=torch.bfloat16)
     # (megatron's argument checks turn --optimizer muon --use-distributed-optimizer into the
     # layer-wise optimizer over a DDP without the distributed optimizer's buffers)
@@ -109,17 +114,24 @@ def main(attention: str, optimizer_name: str) -> None:
                         use_distributed_optimizer=sharded,
                         use_layer_wise_distributed_optimizer=not sharded),
         [model])
-    # layer 0: heads 0 and 2 past the threshold; layer 1: none (megatron leaves it as it is)
-    logits = [torch.tensor([12.0, 0.5, 4.0, 1.5]), torch.tensor([2.0, 1.0, 0.5, 2.5])]
+    # decoder layer 0: heads 0 and 2 past the threshold; layer 1: none (left as it is); the MTP
+    # layer's attention: heads 1 and 3
+    logits = dict(zip([name for name, module in model.named_modules()
+                       if hasattr(module, "core_attention")],
+                      [torch.tensor([12.0, 0.5, 4.0, 1.5]), torch.tensor([2.0, 1.0, 0.5, 2.5]),
+                       torch.tensor([0.5, 6.0, 1.0, 20.0])]))
     before = whole_masters(model, optimizer)
-    for layer, layer_logits in zip(model.module.module.decoder.layers, logits):
-        layer.self_attention.core_attention.current_max_attn_logits = layer_logits.to(
-            torch.cuda.current_device())  # (where TE's attention leaves them)
-    clip_qk([model])
+    for name, module in model.named_modules():
+        if name in logits:  # (on the device, where TE's attention leaves them)
+            module.core_attention.current_max_attn_logits = logits[name].to(
+                torch.cuda.current_device())
+    largest = training.clip_qk([model], log_max_only=False)
     after = whole_masters(model, optimizer)
+    if dist.get_rank() == 0:
+        print(f"qk-clip: largest logit {largest}", flush=True)
     for name, master in before.items():
-        layer = int(name.split("layers.")[1].split(".")[0])
-        expected = reference(name, master, logits[layer], config)
+        attention = name.rsplit(".", 2)[0]
+        expected = reference(name, master, logits[attention], config)
         changed = (after[name] - master).abs().max().item()
         if dist.get_rank() == 0:
             print(f"qk-clip: {name}: largest difference from the reference "

@@ -20,7 +20,7 @@
 # --use-distributed-optimizer megatron's layer-wise distributed Muon; QK-clip needs Transformer
 # Engine >= 2.9, as in the cluster image); "--qk-clip ..." alone clips under AdamW's distributed
 # optimizer through patch qk-clip-distributed-optimizer. Their clip is judged on CPU
-# (test_qk_clip_distributed_optimizer_cpu.py); no run of them here (no GPU).
+# (test_qk_clip_cpu.py); no run of them here (no GPU).
 VOCAB_SIZE=163840
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 # It is tiktoken behind code of its own (tokenization_kimi.TikTokenTokenizer), which runs only
