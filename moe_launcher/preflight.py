@@ -315,6 +315,23 @@ def check_megatron_fsdp_pipeline_parallel(args) -> None:
                              "parallelism")
 
 
+@preflight_check("qk-clip-megatron-fsdp")
+def check_qk_clip_megatron_fsdp(args) -> None:
+    # megatron-core 0.19.2's QK-clip rescales each attention layer's weights as whole matrices
+    # (a view by heads); Megatron-FSDP hands it its DTensor shards (uneven: one rank may hold
+    # none of a weight), so every rank dies at the first step whose logits pass the threshold,
+    # under every sharding strategy (tests/moe_launcher/test_preflight.py runs megatron's clip
+    # on its own Megatron-FSDP model).
+    if getattr(args, "qk_clip", False) and args.use_megatron_fsdp:
+        raise PreflightError("--qk-clip",
+                             "--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's QK-clip "
+                             "rescales attention weights as whole matrices, Megatron-FSDP holds "
+                             "them as shards, and every rank dies at the first step whose "
+                             "attention logits pass --qk-clip-threshold; fix: drop --qk-clip, "
+                             "or train without --use-megatron-fsdp (the distributed optimizer "
+                             "clips, patch qk-clip-distributed-optimizer)")
+
+
 @preflight_check("save-interval")
 def check_save_interval(args) -> None:
     if args.save and args.save_interval is None:

@@ -7,7 +7,8 @@ wraps it as megatron's training does (Float16Module, DDP) and makes, for argv[2]
 megatron's distributed optimizer, which keeps each weight's fp32 master as a flat shard of
 each rank's range, or for "muon" what `--optimizer muon --use-distributed-optimizer` makes
 (MuonClip's optimizer: the layer-wise distributed optimizer, each weight's whole fp32 master on
-one rank). It then sets each
+one rank), or for "fsdp" megatron's Megatron-FSDP (optim_grads_params, the FSDP recipes')
+with the distributed optimizer. It then sets each
 layer's largest attention logits (what Transformer Engine's attention reports; the local spec
 reports none) with some heads past --qk-clip-threshold and calls `clip_qk` as megatron's
 train_step does after the optimizer step (its module's name, which the patches may replace).
@@ -33,6 +34,7 @@ cpu_backend.activate()
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
@@ -104,11 +106,18 @@ def main(attention: str, optimizer_name: str) -> None:
                              bf16=True, params_dtype=torch.bfloat16)
     # (megatron's argument checks turn --optimizer muon --use-distributed-optimizer into the
     # layer-wise optimizer over a DDP without the distributed optimizer's buffers)
-    sharded = optimizer_name == "adam"
-    model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=sharded,
-                                              grad_reduce_in_fp32=True),
-        Float16Module(config, cpu.build_gpt(config, seq_length=16)))
+    sharded = optimizer_name in ("adam", "fsdp")
+    if optimizer_name == "fsdp":
+        model = FullyShardedDataParallel(config, DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+            cpu.build_gpt(config, seq_length=16))
+        optimizer_name = "adam"
+    else:
+        model = DistributedDataParallel(
+            config, DistributedDataParallelConfig(use_distributed_optimizer=sharded,
+                                                  grad_reduce_in_fp32=True),
+            Float16Module(config, cpu.build_gpt(config, seq_length=16)))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer=optimizer_name, lr=1e-3, bf16=True,
                         use_distributed_optimizer=sharded,

@@ -101,6 +101,11 @@ CASES = {
                                            "--use-distributed-optimizer"),
     # megatron-core 0.19.2's adaptive Muon dies at its first step with emerging-optimizers 0.3.0.
     "adaptive-muon-cannot-step": (1, ["--optimizer", "adaptive_muon"], "--optimizer"),
+    # megatron-core 0.19.2's QK-clip views Megatron-FSDP's shards as whole weights: every rank
+    # dies at the first clip (tests/megatron_patches/moe/test_qk_clip_cpu.py).
+    "qk-clip-with-megatron-fsdp": (2, ["--qk-clip", "--use-megatron-fsdp",
+                                       "--use-distributed-optimizer", "--ckpt-format",
+                                       "fsdp_dtensor"], "--qk-clip"),
     # megatron's HuggingFaceTokenizer would download a hub id on every rank.
     "tokenizer-model-is-a-hub-id": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
                                         "--tokenizer-model", "Qwen/Qwen3-30B-A3B"],

@@ -65,3 +65,15 @@ def test_unpatched_the_mtp_layers_attention_is_neither_clipped_nor_logged():
     assert len(mtp) == 2 and all(difference > 1e-3 and changed == 0.0
                                  for difference, changed in mtp.values()), mtp
     assert _largest_logit(run) == 12.0
+
+
+def test_megatron_fsdp_dies_at_the_first_clip_so_the_launcher_refuses_it():
+    """Under Megatron-FSDP (optim_grads_params) megatron's clip views each rank's uneven DTensor
+    shard as the whole weight, and both ranks die (one holds none of the weight): why preflight
+    qk-clip-megatron-fsdp refuses --qk-clip with --use-megatron-fsdp before work
+    (test_preflight.py)."""
+    run = launch(2, ["mla", "fsdp"], script=WORKER, timeout=240)
+    assert run.returncode != 0
+    assert "is invalid for input of size 0" in run.log, run.log[-3000:]
+    assert "multi_latent_attention.py" in run.log and "_clip_q_proj_weight" in run.log
+    assert not _clipped(run)
