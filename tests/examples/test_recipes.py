@@ -51,6 +51,7 @@ GPU_RECIPES = {
     "deepseek_v3_pp": (64, dict(NODES="32"), "--expert-model-parallel-size"),
     "deepseek_v3_fsdp": (64, dict(NODES="1", GPUS_PER_NODE="4"), "--expert-model-parallel-size"),
     "kimi_k2_pp": (128, dict(NODES="64"), "--expert-model-parallel-size"),
+    "qwen3_235b_a22b_pp": (16, dict(NODES="3"), "--expert-model-parallel-size"),
 }
 # The tiny CPU twin of each Megatron-FSDP recipe (recipes/_cpu_twin.sh), and its recipe.
 TWINS = {f"{recipe}_tiny_cpu": recipe for recipe in GPU_RECIPES if recipe.endswith("_fsdp")}
@@ -240,7 +241,8 @@ def test_public_parameter_counts():
     expected = {"mixtral_8x7b_pp": (46.7e9, 12.9e9), "qwen3_30b_a3b_pp": (30.5e9, 3.3e9),
                 "olmoe_1b_7b_pp": (6.9e9, 1.3e9), "deepseek_v2_lite_pp": (15.7e9, None),
                 "glm45_air_pp": (106e9, None), "moonlight_16b_a3b_pp": (16e9, 3e9),
-                "deepseek_v3_pp": (671e9, 37e9), "kimi_k2_pp": (1026e9, 32e9)}
+                "deepseek_v3_pp": (671e9, 37e9), "kimi_k2_pp": (1026e9, 32e9),
+                "qwen3_235b_a22b_pp": (235e9, 22e9)}
     for recipe, (total, active) in expected.items():
         flags, world = resolved(recipe)
         args = plan.parse_megatron_flags(flags, world)
@@ -637,7 +639,8 @@ RECIPE_OWN_ARGS = {"deepseek_v2_lite_pp": _PLAIN_ROPE_BEFORE_YARN,
                                                ("deepseek_v2_lite_pp", "deepseek_v2_lite"),
                                                ("moonlight_16b_a3b_pp", "moonlight_16b_a3b"),
                                                ("deepseek_v3_pp", "deepseek_v3"),
-                                               ("kimi_k2_pp", "kimi_k2")])
+                                               ("kimi_k2_pp", "kimi_k2"),
+                                               ("qwen3_235b_a22b_pp", "qwen3_235b_a22b")])
 def test_recipe_flags_are_what_import_hf_derives_from_the_published_config(
         recipe, published, tmp_path):
     """Both ways. The recipe's megatron args equal those of the recipe followed by the flags
