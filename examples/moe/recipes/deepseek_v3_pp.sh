@@ -3,7 +3,11 @@
 # (16 pipeline stages, experts spread over the data-parallel ranks, no tensor parallelism).
 # TP1 x PP16 x DP32. 61 layers split 3 + 14 x 4 + 2: the first stage holds the embedding and the
 # 3 dense layers, the last 2 layers, the MTP module and the output layer. Experts EP32 x ETP1
-# (8 experts a GPU), expert-DP 1.
+# (8 experts a GPU), expert-DP 1. Every layer recomputed in the backward (full, uniform, one
+# layer a block; DeepSeek recomputed parts of each layer): under 1F1B the second stage keeps the
+# activations of 15 micro-batches in flight through its 4 layers (an estimate: about 2 GB a
+# layer at 4096 tokens, over 100 GB; the dry run counts no activations); recomputed, only each
+# layer's input (58 MB) is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"
 # shellcheck source=/dev/null
@@ -17,4 +21,5 @@ LAYOUT_ARGS=(
   --expert-model-parallel-size 32 --expert-tensor-parallel-size 1
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   --ckpt-format torch_dist
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 )

@@ -2,7 +2,11 @@
 # Kimi K2, pipeline layout, 128 nodes x 8 H100 80GB (1024 GPUs), DeepSeek-V3's pipeline at twice
 # the experts: TP1 x PP16 x DP64. 61 layers split 3 + 14 x 4 + 2: the first stage holds the
 # embedding, the dense layer 0 and two MoE layers, the last 2 layers and the output layer.
-# Experts EP64 x ETP1 (6 experts a GPU), expert-DP 1.
+# Experts EP64 x ETP1 (6 experts a GPU), expert-DP 1. Every layer recomputed in the backward
+# (full, uniform, one layer a block): under 1F1B the second stage keeps the activations of 15
+# micro-batches in flight through its 4 layers (an estimate: about 2 GB a layer at 4096 tokens,
+# over 100 GB; the dry run counts no activations); recomputed, only each layer's input (58 MB)
+# is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_kimi_k2.sh"
 # shellcheck source=/dev/null
@@ -16,4 +20,5 @@ LAYOUT_ARGS=(
   --expert-model-parallel-size 64 --expert-tensor-parallel-size 1
   --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
   --ckpt-format torch_dist
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
 )
