@@ -33,8 +33,10 @@ cpu_backend.activate()
 
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel, DistributedDataParallelConfig)
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import (  # noqa: E402
+    FullyShardedDataParallel)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.training import training  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402

@@ -66,7 +66,8 @@ def _recording_shard_starts(init):
         for group in getattr(self, "model_float16_groups", ()):
             for param in group:
                 if getattr(param, "main_param", None) is not None:
-                    setattr(param, SHARD_START, self._get_model_param_range_map(param)["param"].start)
+                    shard = self._get_model_param_range_map(param)["param"]
+                    setattr(param, SHARD_START, shard.start)
 
     __init__.__wrapped_by__ = NAME
     return __init__

@@ -43,7 +43,8 @@ def _attention_with_logits(chunk):
     """The attention modules of a model chunk that can clip and hold this step's logits."""
     for module in chunk.modules():
         core = getattr(module, "core_attention", None)
-        if hasattr(module, "clip_qk") and getattr(core, "current_max_attn_logits", None) is not None:
+        logits = getattr(core, "current_max_attn_logits", None)
+        if hasattr(module, "clip_qk") and logits is not None:
             yield module
 
 
