@@ -3,10 +3,10 @@
 # TP1 x PP8 x DP16. 94 layers split 11 + 6 x 12 + 11: the first stage holds the embedding, the
 # last the output layer. Experts EP16 x ETP1 (8 experts a GPU), expert-DP 1. Every layer
 # recomputed in the backward (full, uniform, one layer a block): under 1F1B the first stage
-# keeps the activations of PP = 8 micro-batches in flight through its 12 layers, about as many
-# layer activations as the model has layers whatever the PP size (an estimate: about 1.2 GB a
-# layer at 4096 tokens, over 100 GB; the dry run counts no activations); recomputed, only each
-# layer's input (32 MB) is kept.
+# keeps the activations of PP = 8 micro-batches in flight through its 11 layers, about as many
+# layer activations as the model has layers whatever the PP size (1.42 GiB a layer at 4096
+# tokens by bench/layer_activations.py, 125 GiB in all; the dry run counts no activations);
+# recomputed, only each layer's input (32 MiB) is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_qwen3_235b_a22b.sh"
 # shellcheck source=/dev/null

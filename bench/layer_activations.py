@@ -1,0 +1,120 @@
+"""What one decoder layer of a recipe's model keeps for its backward, per micro-batch: the
+activation memory the dry run does not count.
+
+    python bench/layer_activations.py RECIPE [RECIPE ...] [--experts 16]
+
+Builds the first MoE layer of the recipe's MODEL_ARGS (and the layers before it) with megatron
+on this machine (local spec, bf16, world size 1, `--experts` routed experts in place of the
+model's: a token's activations depend on its top-k, not on how many experts there are) and runs
+its forward under torch's saved-tensor hooks, which see every tensor autograd keeps for the
+backward; the weights are not counted. Two sequence lengths separate what grows with the
+sequence (a * s) from the local spec's attention scores (b * s^2), which Transformer Engine's
+flash attention does not keep; the line printed extrapolates a * s to the recipe's
+--seq-length. A reference, not a GPU measurement: Transformer Engine's fused kernels keep
+somewhat other tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+LENGTHS = (256, 512)
+
+
+def model_args(recipe: str) -> list[str]:
+    """The recipe's MODEL_ARGS and its vocabulary, as its model file sets them."""
+    out = subprocess.run(["bash", "-c", 'RECIPE_DIR=$1; source "$1/$2.sh" >/dev/null; '
+                          'printf "%s\\0" "${MODEL_ARGS[@]}" --vocab-size "$VOCAB_SIZE"', "_",
+                          os.path.join(ROOT, "examples", "moe", "recipes"), recipe],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split("\0")[:-1]
+
+
+def _with(flags: list[str], flag: str, value: str) -> list[str]:
+    """`flags` with `flag` set to `value` (megatron's parser takes the last one)."""
+    return [*flags, flag, value]
+
+
+def saved_bytes(flags: list[str], layer: int, seq_length: int) -> int:
+    """Bytes autograd keeps for the backward of one forward of decoder layer `layer`."""
+    import torch
+
+    from moe_launcher.convert import megatron_side
+
+    _, config = megatron_side.args_of_flags(flags, seq_length)
+    with torch.device("cpu"):
+        model = megatron_side.build(config)
+    block = model.decoder.layers[layer]
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    hidden = torch.randn(seq_length, 1, config.hidden_size, dtype=config.params_dtype,
+                         requires_grad=True)
+    causal = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        block(hidden, attention_mask=causal)
+    return sum(kept.values())
+
+
+def first_moe_layer(flags: list[str]) -> int:
+    if "--moe-layer-freq" not in flags:
+        return 0
+    # (a recipe's own literal, such as "([0]*3+[1]*58)", which megatron evaluates too)
+    frequency = eval(flags[flags.index("--moe-layer-freq") + 1], {}, {})  # noqa: S307
+    return frequency.index(1) if isinstance(frequency, list) else 0
+
+
+def one_layer_flags(flags: list[str], layer: int, experts: int) -> list[str]:
+    """The recipe's model up to MoE layer `layer`, with `experts` routed experts and no MTP."""
+    if "--mtp-num-layers" in flags:
+        at = flags.index("--mtp-num-layers")
+        flags = flags[:at] + flags[at + 2:]
+    small = _with(flags, "--num-layers", str(layer + 1))
+    if layer:
+        small = _with(small, "--moe-layer-freq", f"([0]*{layer}+[1])")
+    small = _with(small, "--num-experts", str(experts))
+    # the GPU recipes' precision and dispatch (_gpu_common.sh's IMPL_ARGS, less TE's kernels)
+    small += ["--bf16", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]
+    if "--moe-router-num-groups" in flags:  # (the groups must split the fewer experts)
+        small = _with(_with(small, "--moe-router-num-groups", "1"), "--moe-router-group-topk",
+                      "1")
+    return small
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipes", nargs="+")
+    parser.add_argument("--experts", type=int, default=16)
+    options = parser.parse_args()
+    from moe_launcher.convert import megatron_side
+
+    megatron_side.start()
+    for recipe in options.recipes:
+        flags = model_args(recipe)
+        seq_length = int(flags[flags.index("--seq-length") + 1])
+        layer = first_moe_layer(flags)
+        small = one_layer_flags(flags, layer, options.experts)
+        kept = [saved_bytes(small, layer, length) for length in LENGTHS]
+        # kept = a * s + b * s^2 at the two lengths
+        (s1, s2), (k1, k2) = LENGTHS, kept
+        b = (k2 / s2 - k1 / s1) / (s2 - s1)
+        a = k1 / s1 - b * s1
+        print(f"layer_activations: {recipe} MoE layer {layer}: {a * seq_length / 2**30:.2f} GiB "
+              f"a micro-batch at {seq_length} tokens ({a / 2**10:.0f} KiB a token; the local "
+              f"spec's attention scores, {b * seq_length ** 2 / 2**30:.1f} GiB more, not "
+              "counted)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
