@@ -24,8 +24,9 @@ import re
 import torch
 
 from .errors import ConvertError
+from .hf_files import SAFETENSORS_DTYPES
 
-FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+FP8 = SAFETENSORS_DTYPES[torch.float8_e4m3fn]  # safetensors' name of it, "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
 _SCALE_DTYPES = ("F32", "BF16")
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448

@@ -100,11 +100,12 @@ def _fp8_names(mapping, params, fp8: BlockFP8) -> set[str]:
     return names
 
 
-def _said_source_quantization(config_from: str, fp8: BlockFP8 | None) -> None:
+def _said_source_quantization(config_from: str, source_config: dict,
+                              fp8: BlockFP8 | None) -> None:
     """A source stored as block-wise FP8 and an export that is not (or in other blocks): said,
     since the export is then another size (DeepSeek-V3: 1.3 TB in bf16, 0.7 TB as released)."""
     try:
-        source = block_fp8_of(read_config_json(config_from).get("quantization_config"))
+        source = block_fp8_of(source_config.get("quantization_config"))
     except ConvertError:
         return
     if source and source != fp8:
@@ -134,7 +135,7 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     source = _source_config(config_from, family, derived) if config_from else {}
     fp8 = BlockFP8(fp8_block) if fp8_block else None
     if config_from:
-        _said_source_quantization(config_from, fp8)
+        _said_source_quantization(config_from, source, fp8)
     config = getattr(transformers, family.config_class)(
         **derived, **{key: source[key] for key in TOKEN_IDS if key in source})
     if not config_from:
