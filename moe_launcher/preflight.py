@@ -320,8 +320,8 @@ def check_qk_clip_megatron_fsdp(args) -> None:
     # megatron-core 0.19.2's QK-clip rescales each attention layer's weights as whole matrices
     # (a view by heads); Megatron-FSDP hands it its DTensor shards (uneven: one rank may hold
     # none of a weight), so every rank dies at the first step whose logits pass the threshold,
-    # under every sharding strategy (tests/moe_launcher/test_preflight.py runs megatron's clip
-    # on its own Megatron-FSDP model).
+    # under every sharding strategy (tests/megatron_patches/moe/test_qk_clip_cpu.py runs
+    # megatron's clip on its own Megatron-FSDP model).
     if getattr(args, "qk_clip", False) and args.use_megatron_fsdp:
         raise PreflightError("--qk-clip",
                              "--qk-clip with --use-megatron-fsdp: megatron-core 0.19.2's QK-clip "
