@@ -9,7 +9,7 @@ run), checks the layout arithmetic against the world size (the per-stage layer s
 moe_launcher.model.layer_layout) and runs the launcher's other checks of the flags (not those of
 files and packages: the dry run may run on another machine), runs megatron's validate_args and
 TransformerConfig checks on a simulated H100, and prints the layout, the per-GPU parameter +
-optimizer memory estimate and the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
+optimizer memory estimate, the activations (moe_launcher.activation_memory) and the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
 trained, no process group is created. Exits 1 (and names the flag and the fix) when the
 layout cannot run, 2 when the flags do not parse.
 
@@ -240,6 +240,11 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
     """Parameter + gradient + optimizer bytes on the busiest GPU (activations excluded): each
     pipeline stage priced, the most expensive kept (by bytes: the distributed optimizer shards
     dense and expert state over different numbers of ranks)."""
+    return max(stage_memories(args, c, layout), key=lambda memory: memory.total)
+
+
+def stage_memories(args, c: Counts, layout: Layout) -> list[Memory]:
+    """Parameter + gradient + optimizer bytes of a GPU of each pipeline stage."""
     stage_sizes = layout.stages if layout.stages[0] >= 0 else [
         args.num_layers // layout.pp] * layout.pp
     low = 2 if (args.bf16 or args.fp16) else 4
@@ -300,7 +305,7 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
             routed += mtp * mtp_experts
         expert = routed // (layout.ep * layout.etp)
         stages.append(stage_memory((scalar + matrices) // layout.tp, expert, scalar // layout.tp))
-    return max(stages, key=lambda memory: memory.total)
+    return stages
 
 
 def flops_per_iteration(args, config, layout: Layout) -> int:
@@ -318,6 +323,49 @@ def flops_per_iteration(args, config, layout: Layout) -> int:
     batch = args.global_batch_size
     tokens = batch * args.seq_length
     return int(flops_per_batch(shape, census, tokens, batch * args.seq_length ** 2))
+
+
+def recompute_said(args) -> str:
+    if args.recompute_granularity == "full":
+        return (f"full recompute, {args.recompute_method} {args.recompute_num_layers} "
+                f"layer{'s' if args.recompute_num_layers > 1 else ''}")
+    if args.recompute_granularity == "selective":
+        return f"selective recompute of {','.join(args.recompute_modules or ['core_attn'])}"
+    return "no recompute"
+
+
+def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> bool:
+    """Prints the activation estimate (moe_launcher.activation_memory) and the busiest GPU's
+    total; returns whether that fits."""
+    from moe_launcher import activation_memory
+
+    microbatches = args.global_batch_size // (args.micro_batch_size * layout.dp)
+    ranks = activation_memory.rank_activations(args, config, layout.moe_pattern,
+                                               padded_vocab(args), microbatches)
+    built = set(map(bool, layout.moe_pattern))
+    kinds = [(kind, activation_memory.layer_bytes(args, moe))
+             for kind, moe in (("MoE", True), ("dense", False)) if moe in built]
+    busiest = max(range(len(ranks)), key=lambda r: states[r].total + ranks[r].total)
+    peak, state = ranks[busiest], states[busiest]
+    chunked = " chunk" if (args.virtual_pipeline_model_parallel_size or 1) > 1 else ""
+    print(f"[plan] activations (moe_launcher.activation_memory: Transformer Engine's kernels, "
+          f"{recompute_said(args)}, experts' average share of tokens): a layer's activations "
+          f"{', '.join(f'{size(b)} ({k})' for k, b in kinds)} a micro-batch of "
+          f"{args.micro_batch_size} x {args.seq_length} tokens before recompute")
+    then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
+    if peak.loss:
+        then.append(f"a micro-batch's logits and loss {size(peak.loss)}")
+    print(f"[plan] busiest GPU (pipeline stage {busiest}): {peak.micro_batches}{chunked} "
+          f"micro-batch{'es' if peak.micro_batches > 1 else ''} in flight "
+          f"{size(peak.in_flight)}" + (f" + the larger of {' and '.join(then)}" if len(then) > 1
+                                       else "".join(f" + {t}" for t in then))
+          + f" + parameters and optimizer {size(state.total)} = "
+          f"{size(state.total + peak.total)}")
+    not_modelled = activation_memory.recompute_not_modelled(args)
+    if not_modelled:
+        print(f"[plan] activations: --recompute-modules {' '.join(not_modelled)} not modelled "
+              f"(counted as kept)")
+    return state.total + peak.total
 
 
 def human(n: float) -> str:
@@ -396,6 +444,8 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     print(f"[plan] per-GPU memory ({kind}): weights {size(mem.weights)} + grads "
           f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
+    busiest = activations_per_gpu(validated, config, layout,
+                                  stage_memories(args, counts, layout))
     if mem.optimizer_not_modelled:
         print(f"[plan] optimizer memory: {mem.optimizer_not_modelled} is not modelled; priced "
               f"as fp32 Adam moments")
@@ -407,6 +457,11 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
               f"more than {gpu_memory_gib:g} GiB; fix: raise --expert-model-parallel-size / "
               f"--pipeline-model-parallel-size or run on more nodes", file=sys.stderr)
         return 1
+    if busiest > gpu_memory_gib * GIB:
+        print(f"[plan] WARNING: with activations the busiest GPU needs {busiest / GIB:.1f} GiB, "
+              f"more than {gpu_memory_gib:g} GiB (an estimate: not refused); fix: "
+              f"--recompute-granularity full --recompute-method uniform --recompute-num-layers "
+              f"1, fewer layers a pipeline stage, or a smaller --micro-batch-size")
     print("[plan] dry run OK: nothing was started")
     return 0
 

@@ -4,8 +4,8 @@
 # (optim_grads_params); experts EP4 x ETP2 (one node: 64 experts a GPU, each split in two; the
 # all-to-all stays on NVLink), expert-DP 64 across nodes. Every layer recomputed in the backward (full, uniform, one layer a block): without
 # a pipeline one GPU keeps the activations of all 61 layers and the MTP module (2.22 GiB a MoE
-# layer at 4096 tokens by bench/layer_activations.py, over 130 GiB in all; the dry run counts no
-# activations); recomputed, only each layer's input (56 MiB) is kept.
+# layer at 4096 tokens by bench/layer_activations.py, over 130 GiB in all); recomputed, only
+# each layer's input (56 MiB) is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"
 # shellcheck source=/dev/null

@@ -6,7 +6,7 @@
 # (8 experts a GPU), expert-DP 1. Every layer recomputed in the backward (full, uniform, one
 # layer a block; DeepSeek recomputed parts of each layer): under 1F1B the second stage keeps the
 # activations of 15 micro-batches in flight through its 4 layers (2.22 GiB a layer at 4096
-# tokens by bench/layer_activations.py, 133 GiB in all; the dry run counts no activations);
+# tokens by bench/layer_activations.py, 133 GiB in all);
 # recomputed, only each layer's input (56 MiB) is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"

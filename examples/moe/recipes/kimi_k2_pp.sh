@@ -5,7 +5,7 @@
 # Experts EP64 x ETP1 (6 experts a GPU), expert-DP 1. Every layer recomputed in the backward
 # (full, uniform, one layer a block): under 1F1B the second stage keeps the activations of 15
 # micro-batches in flight through its 4 layers (1.91 GiB a layer at 4096 tokens by
-# bench/layer_activations.py, 115 GiB in all; the dry run counts no activations); recomputed,
+# bench/layer_activations.py, 115 GiB in all); recomputed,
 # only each layer's input (56 MiB) is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_kimi_k2.sh"

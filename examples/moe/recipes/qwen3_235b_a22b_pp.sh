@@ -5,7 +5,7 @@
 # recomputed in the backward (full, uniform, one layer a block): under 1F1B the first stage
 # keeps the activations of PP = 8 micro-batches in flight through its 11 layers, about as many
 # layer activations as the model has layers whatever the PP size (1.42 GiB a layer at 4096
-# tokens by bench/layer_activations.py, 125 GiB in all; the dry run counts no activations);
+# tokens by bench/layer_activations.py, 125 GiB in all);
 # recomputed, only each layer's input (32 MiB) is kept.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_qwen3_235b_a22b.sh"
