@@ -16,8 +16,7 @@ for the same layer, and the figure is stated for either:
   the dropped-out scores and their mask); torch's CPU dropout keeps its masks in the
   activation dtype, CUDA's as bools.
 Not modelled: routing imbalance (experts get their average share of tokens), FP8 activations,
-RoPE's tensors in grouped-query attention (fused on the GPU; MLA's unfused cos and sin are
-counted), CUDA graphs, communication buffers and the allocator's fragmentation.
+CUDA graphs, communication buffers and the allocator's fragmentation.
 Targets megatron-core 0.19.x.
 """
 
@@ -41,6 +40,7 @@ class Shape:
     sequence_tokens: float  # tokens where sequence parallelism splits them over TP
     act: int  # bytes of an activation element
     kernels: str  # "te" or "local"
+    positions: float  # sequence positions on this rank's context-parallel slice
 
     @property
     def mask(self) -> int:
@@ -51,7 +51,8 @@ class Shape:
     def of(cls, args, kernels: str = "te") -> Shape:
         tokens = args.seq_length * args.micro_batch_size / args.context_parallel_size
         split = args.tensor_model_parallel_size if args.sequence_parallel else 1
-        return cls(tokens, tokens / split, 2 if (args.bf16 or args.fp16) else 4, kernels)
+        return cls(tokens, tokens / split, 2 if (args.bf16 or args.fp16) else 4, kernels,
+                   args.seq_length / args.context_parallel_size)
 
 
 def norm_bytes(args, shape: Shape, width: int, tokens: float, heads: int = 1) -> float:
@@ -90,7 +91,7 @@ def attention_parts(args, shape: Shape) -> dict[str, float]:
             projections += a * args.q_lora_rank * ts
             norms += norm_bytes(args, shape, args.q_lora_rank, ts)
         if not args.apply_rope_fusion:  # megatron's unfused RoPE keeps a cos and a sin for q, k
-            projections += 4 * a * rope * t
+            projections += 4 * a * rope * shape.positions
         parts["attention norms"] = norms
         parts["core attention"] = core_attention_bytes(args, shape, heads, heads, qk + rope, v)
         parts["attention projections"] = projections + a * heads * v * t  # + linear_proj's input
@@ -104,6 +105,13 @@ def attention_parts(args, shape: Shape) -> dict[str, float]:
                                     + norm_bytes(args, shape, d, t, kv_heads))
     parts["core attention"] = core_attention_bytes(args, shape, heads, kv_heads, d, d)
     parts["attention projections"] = a * h * ts + a * heads * d * t
+    if args.position_embedding_type == "rope" and not args.apply_rope_fusion:
+        # megatron's unfused RoPE keeps a cos and a sin for q and k (a position each)
+        rotated = int(d * args.rotary_percent)
+        parts["attention projections"] += 4 * a * rotated * shape.positions
+        if shape.kernels == "local" and kv_heads == heads:
+            # (the local spec's v, not repeated, stays a view of the whole QKV output)
+            parts["core attention"] += a * 2 * kv_heads * d * t
     return parts
 
 
@@ -121,13 +129,8 @@ def mlp_parts(args, shape: Shape, moe: bool) -> dict[str, float]:
     if not moe:
         parts["MLP"] = sum(_mlp_bytes(args, shape, args.ffn_hidden_size / tp, t))
         return parts
+    parts["router"] = router_bytes(args) * ts
     experts, k = args.num_experts, args.moe_router_topk
-    router = (FP32 * experts + 3 * INDEX * k) * ts  # scores, top-k indices and probabilities
-    if args.moe_router_score_function == "sigmoid":
-        router += FP32 * experts * ts
-    if args.moe_router_num_groups:
-        router += (INDEX * args.moe_router_num_groups + experts) * ts  # (+ a bool mask)
-    parts["router"] = router + INDEX * (experts + k) * ts  # + the permutation's sort order
     etp = args.expert_tensor_parallel_size or tp
     routed = ts * k * etp  # token copies this rank's experts compute, on average
     fc1, fc2 = _mlp_bytes(args, shape, args.moe_ffn_hidden_size / etp, routed)
@@ -139,6 +142,26 @@ def mlp_parts(args, shape: Shape, moe: bool) -> dict[str, float]:
         if args.moe_shared_expert_gate:  # its output and gate, for the gated sum
             parts["shared experts"] += a * (h + 1) * t
     return parts
+
+
+def router_bytes(args) -> int:
+    """What the router and the permutation keep a token (megatron's router, the same on both
+    kernel families; measured per option in the tests)."""
+    experts, k = args.num_experts, args.moe_router_topk
+    kept = INDEX * k + FP32 * k  # the top-k indices and probabilities
+    if args.moe_router_pre_softmax:
+        kept += FP32 * experts - FP32 * k  # the softmax over every expert, gathered from
+    if args.moe_router_score_function == "sigmoid":
+        kept += FP32 * experts + FP32  # the scores, their sum over the top k
+    if args.moe_router_num_groups:
+        kept += INDEX * args.moe_router_num_groups + experts  # the groups' top, a bool mask
+    balancing = args.moe_router_load_balancing_type
+    balancing = balancing if isinstance(balancing, list) else [balancing]
+    if args.moe_aux_loss_coeff and any(kind != "none" for kind in balancing):
+        kept += FP32 * experts + INDEX * k  # the scores and choices the loss is taken of
+        if "seq_aux_loss" in balancing:
+            kept += INDEX * k + FP32
+    return kept + INDEX * (experts + k)  # + the permutation's sort order
 
 
 def layer_parts(args, moe: bool, kernels: str = "te") -> dict[str, float]:
@@ -280,23 +303,35 @@ def chunk_bytes(args, chunk: list[int], kernels: str = "te") -> tuple[float, flo
     return sum(full), 0.0
 
 
-def mtp_layer_bytes(args, moe: bool, kernels: str = "te") -> float:
-    """One MTP layer a micro-batch: a decoder layer of the last layer's kind, the norms of the
-    embedding and of the hidden state, and the projection's concatenated input."""
+def mtp_bytes(args, moe: bool, kernels: str = "te") -> tuple[float, float]:
+    """(what one MTP layer keeps a micro-batch under the run's recompute, what its backward
+    rebuilds). The layer: a decoder layer of the last layer's kind, the norms of the embedding
+    and of the hidden state, and the projection's concatenated input. Under full, uniform
+    recompute megatron checkpoints it whole, keeping its two inputs (it skips block recompute);
+    selective recompute acts on its decoder layer."""
     shape = Shape.of(args, kernels)
     h, ts = args.hidden_size, shape.sequence_tokens
-    return (layer_bytes(args, moe, kernels) + 2 * norm_bytes(args, shape, h, ts)
-            + shape.act * 2 * h * ts)
+    parts = layer_parts(args, moe, kernels)
+    whole = (sum(parts.values()) + 2 * norm_bytes(args, shape, h, ts)
+             + shape.act * 2 * h * ts)
+    if args.recompute_granularity == "full" and args.recompute_method == "uniform":
+        return 2 * layer_input_bytes(args), whole
+    if args.recompute_granularity == "selective":
+        return whole - selective_recompute_saves(args, parts, kernels), 0.0
+    return whole, 0.0
 
 
-def logits_bytes(args, vocab: int, kernels: str = "te") -> float:
-    """The loss of one micro-batch: the final norm, the output layer's input, the logits and
-    the cross entropy's fp32 softmax (each MTP layer computes its own)."""
+def loss_bytes(args, vocab: int, kernels: str = "te") -> tuple[float, float]:
+    """The loss of one micro-batch (each MTP layer computes its own): (what it keeps: the final
+    norm, the output layer's input and the cross entropy's fp32 softmax; the logits in the
+    activation dtype, which live beside it while the loss is computed and again as its
+    gradient)."""
     shape = Shape.of(args, kernels)
     h, ts = args.hidden_size, shape.sequence_tokens
-    one = (norm_bytes(args, shape, h, ts) + shape.act * h * ts
-           + (shape.act + FP32) * vocab / args.tensor_model_parallel_size * shape.tokens)
-    return one * (1 + (args.mtp_num_layers or 0))
+    logits = vocab / args.tensor_model_parallel_size * shape.tokens
+    losses = 1 + (args.mtp_num_layers or 0)
+    kept = norm_bytes(args, shape, h, ts) + shape.act * h * ts + FP32 * logits
+    return kept * losses, shape.act * logits * losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,12 +340,13 @@ class RankActivations:
     in_flight: float  # bytes of the chunk activations held at the schedule's peak
     micro_batches: int  # (chunk) micro-batches in flight then
     rebuilt: float  # the largest recompute block, rebuilt in the backward
-    loss: float  # one micro-batch's logits and loss (the last rank)
+    loss: float  # what one micro-batch's loss keeps (the last rank)
+    logits: float  # its logits in the activation dtype, beside it for a while
 
     @property
     def total(self) -> float:
         # (a micro-batch's loss is freed by its backward before a block is recomputed)
-        return self.in_flight + max(self.rebuilt, self.loss)
+        return self.in_flight + max(self.rebuilt, self.loss + self.logits)
 
 
 def rank_activations(args, config, pattern: list[int], vocab: int, microbatches: int,
@@ -323,12 +359,15 @@ def rank_activations(args, config, pattern: list[int], vocab: int, microbatches:
     for rank in range(pp):
         chunks = chunk_layers(config, pattern, rank) if pp > 1 else [pattern]
         kept, rebuilt = zip(*(chunk_bytes(args, chunk, kernels) for chunk in chunks))
-        kept, loss = list(kept), 0.0
+        kept, loss, logits = list(kept), 0.0, 0.0
+        if rank == pp - 1 and mtp:
+            mtp_kept, mtp_rebuilt = mtp_bytes(args, bool(pattern[-1]), kernels)
+            kept[-1] += mtp * mtp_kept
+            rebuilt += (mtp_rebuilt,)
         if rank == pp - 1:
-            kept[-1] += mtp * mtp_layer_bytes(args, bool(pattern[-1]), kernels)
-            loss = logits_bytes(args, vocab, kernels)
+            loss, logits = loss_bytes(args, vocab, kernels)
         peak, held = peak_in_flight(kept, pp, rank, microbatches, group)
-        ranks.append(RankActivations(rank, peak, held, max(rebuilt), loss))
+        ranks.append(RankActivations(rank, peak, held, max(rebuilt), loss, logits))
     return ranks
 
 

@@ -44,7 +44,15 @@ when its environment variable names a directory:
   "dtensors": n, "empty": empty local shards, "placements": the distinct (mesh shape,
   placements), "differ": keys that differ}; and around each Megatron-FSDP `ParamAndGradBuffer`
   built (wrapping the model), the same for the main weights it gives a chunk, to
-  buffer{N}_rank{R}.json.
+  buffer{N}_rank{R}.json;
+* $ACTIVATION_DIR: through megatron's first training step (every micro-batch's forward and
+  backward, megatron's pipeline schedule included), each rank counts the bytes of the tensors
+  autograd holds for the backward (under torch's saved-tensor hooks; each storage once, from
+  when it is first saved until the last holder is gone), weights and the batch's s x s
+  attention masks left out, and writes activation_rank{R}.json: {"peak": the most held at
+  once, "planned": moe_launcher.activation_memory's figure for this pipeline rank on the local
+  spec (its loss's logits in the activation dtype left out: autograd does not keep them),
+  "parts": its RankActivations}.
 """
 
 import collections
@@ -409,6 +417,83 @@ def _observe_chunks(checkpointing) -> None:
     param_and_grad_buffer.ParamAndGradBuffer.__init__ = init
 
 
+class _HeldForBackward:
+    """The bytes of the tensors autograd holds for the backward, live and at most."""
+
+    def __init__(self, left_out: set[int], mask_shape: tuple[int, int]):
+        self.left_out, self.mask_shape = left_out, mask_shape
+        self.holders: collections.Counter = collections.Counter()
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.left_out or (tensor.dtype == torch.bool
+                                    and tuple(tensor.shape[-2:]) == self.mask_shape):
+            return tensor
+        return _Holder(self, tensor, key, storage.nbytes())
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Holder) else held
+
+
+class _Holder:
+    def __init__(self, count: _HeldForBackward, tensor: torch.Tensor, key: int, nbytes: int):
+        self.count, self.tensor, self.key = count, tensor, key
+        if not count.holders[key]:
+            count.sizes[key] = nbytes
+            count.live += nbytes
+            count.peak = max(count.peak, count.live)
+        count.holders[key] += 1
+
+    def __del__(self):
+        count = self.count
+        count.holders[self.key] -= 1
+        if not count.holders[self.key]:
+            del count.holders[self.key]
+            count.live -= count.sizes.pop(self.key)
+
+
+def _observe_activations(training) -> None:
+    import dataclasses
+
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.utils import get_attr_wrapped_model
+    from megatron.training import get_args
+
+    from moe_launcher import activation_memory
+    from moe_launcher.preflight import moe_pattern
+
+    step = training.train_step
+
+    @functools.wraps(step)
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        path = os.path.join(os.environ["ACTIVATION_DIR"],
+                            f"activation_rank{torch.distributed.get_rank()}.json")
+        if os.path.exists(path):
+            return step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        run = get_args()
+        weights = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+        count = _HeldForBackward(weights, (run.seq_length, run.seq_length))
+        with torch.autograd.graph.saved_tensors_hooks(count.pack, count.unpack):
+            result = step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        config = get_attr_wrapped_model(model[0], "config")
+        ranks = activation_memory.rank_activations(run, config, moe_pattern(run),
+                                                   run.padded_vocab_size,
+                                                   get_num_microbatches(), "local")
+        mine = ranks[parallel_state.get_pipeline_model_parallel_rank()]
+        with open(path, "w") as out:
+            json.dump({"peak": count.peak,
+                       "planned": mine.in_flight + max(mine.rebuilt, mine.loss),
+                       "parts": dataclasses.asdict(mine)}, out)
+        return result
+
+    training.train_step = train_step
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from moe_launcher import cpu_backend
@@ -426,6 +511,8 @@ if __name__ == "__main__":
         _observe_flops(training)
     if os.environ.get("ROUTER_COUNT_DIR"):
         _observe_router_counts(training)
+    if os.environ.get("ACTIVATION_DIR"):
+        _observe_activations(training)
     if os.environ.get("CHUNK_DIR"):
         from megatron.training import checkpointing
 

@@ -354,7 +354,7 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> b
           f"{args.micro_batch_size} x {args.seq_length} tokens before recompute")
     then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
     if peak.loss:
-        then.append(f"a micro-batch's logits and loss {size(peak.loss)}")
+        then.append(f"a micro-batch's logits and loss {size(peak.loss + peak.logits)}")
     print(f"[plan] busiest GPU (pipeline stage {busiest}): {peak.micro_batches}{chunked} "
           f"micro-batch{'es' if peak.micro_batches > 1 else ''} in flight "
           f"{size(peak.in_flight)}" + (f" + the larger of {' and '.join(then)}" if len(then) > 1

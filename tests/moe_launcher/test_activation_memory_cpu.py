@@ -2,22 +2,24 @@
 own layers keep for their backward. The reference: megatron-core's GPT layer built from a command
 line as pretrain_moe.py checks it (local spec, bf16, one gloo rank), run forward under torch's
 saved-tensor hooks, which see every tensor autograd keeps; the weights and the batch's attention
-mask (one tensor every layer shares) are left out; RoPE is not applied to grouped-query attention
-(on the GPU megatron fuses it; the local spec's unfused RoPE keeps cos, sin and, through v's view,
-the whole QKV output). The figure's "local" kernels must be that count: exactly for dense layers,
-within 1% for MoE layers (the router's few index and score tensors per token depend on its options
-and are priced by a rule). Its "te" kernels (the GPU path, which the dry run prints) differ only in
-the norms, the core attention and the dropout masks, which keep what Transformer Engine's kernels
-and CUDA's dropout keep. Recompute against megatron's checkpointed forward of the same decoder; the
-pipeline's in-flight micro-batches against the 1F1B counts of Narayanan et al. (SC'21), which
-megatron's schedule implements.
+mask (one tensor every layer shares) are left out; RoPE applied as the decoder applies it. The
+figure's "local" kernels must be that count: exactly for dense layers, within 0.1% for MoE layers
+(a few scalars a layer: the balance loss, the experts' token counts). Its "te" kernels (the GPU
+path, which the dry run prints) differ only in the norms, the core attention and the dropout masks,
+which keep what Transformer Engine's kernels and CUDA's dropout keep. Recompute against megatron's
+checkpointed forward of the same decoder; the pipeline's in-flight micro-batches against the 1F1B
+counts of Narayanan et al. (SC'21), which megatron's schedule implements; and a whole pipeline
+rank's figure against what each rank of a real run holds through its first training step.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from _launch import REPO, TINY_MODEL, launch
 from _megatron_cpu import environment_kept
 from moe_launcher import activation_memory
 
@@ -30,9 +32,10 @@ MODEL = ["--hidden-size", "256", "--num-attention-heads", "8", "--ffn-hidden-siz
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 LAYERS = {
     # Qwen3-style: grouped-query attention with q/k norms, softmax top-k routing
+    # (and GLM-4.5's RoPE on half of each head)
     "gqa-qk-norms": ["--group-query-attention", "--num-query-groups", "2", "--qk-layernorm",
-                     "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
-                     "128", *NO_DROPOUT],
+                     "--rotary-percent", "0.5", "--num-experts", "8", "--moe-router-topk", "2",
+                     "--moe-ffn-hidden-size", "128", *NO_DROPOUT],
     # DeepSeek-V3-style: multi-latent attention (unfused RoPE), a shared expert, sigmoid
     # group-limited routing with expert bias and the sequence-wise balance loss
     "mla-shared-expert": ["--multi-latent-attention", "--q-lora-rank", "96", "--kv-lora-rank",
@@ -90,13 +93,14 @@ def test_a_layers_figure_is_what_megatrons_layer_keeps(layers, kind):
     with environment_kept():
         args, model = _model(["--num-layers", "2", *MODEL, *LAYERS[layers]])
         index = 0 if kind == "dense" else 1
+        rotary = None if args.multi_latent_attention else model.rotary_pos_emb(SEQ)
         measured = _kept_bytes(model, lambda hidden, mask: model.decoder.layers[index](
-            hidden, attention_mask=mask))
+            hidden, attention_mask=mask, rotary_pos_emb=rotary))
     local = activation_memory.layer_parts(args, kind == "moe", "local")
     if kind == "dense":
         assert sum(local.values()) == measured, local
     else:
-        assert sum(local.values()) == pytest.approx(measured, rel=0.01), local
+        assert sum(local.values()) == pytest.approx(measured, rel=1e-3), local
     on_gpu = activation_memory.layer_parts(args, kind == "moe", "te")
     assert local.keys() == on_gpu.keys()
     assert {part for part in local if local[part] != on_gpu[part]} <= KERNEL_PARTS
@@ -116,8 +120,10 @@ def test_full_recompute_keeps_what_megatrons_checkpointed_decoder_keeps(recomput
     with environment_kept():
         args, model = _model([*flags, *recomputing])
         model.train()
+        rotary = model.rotary_pos_emb(SEQ)
         measured = _kept_bytes(model, lambda hidden, mask: model.decoder(
-            hidden, attention_mask=mask))
+            hidden, attention_mask=mask, rotary_pos_emb=rotary))
+        measured -= rotary.untyped_storage().nbytes()  # (one tensor every checkpoint shares)
     kept, rebuilt = activation_memory.chunk_bytes(args, [0, 0, 0], "local")
     shape = activation_memory.Shape.of(args, "local")
     final_norm = activation_memory.norm_bytes(args, shape, args.hidden_size, shape.tokens)
@@ -139,3 +145,41 @@ def test_each_pipeline_rank_holds_the_micro_batches_of_1f1b(microbatches):
     # chunks of different sizes: the peak weighs what is held, not how many
     peak, held = activation_memory.peak_in_flight([1.0, 3.0], pp, 0, 16, pp)
     assert held == 11 and held < peak < 3 * held
+
+
+RUNS = {
+    # 1F1B: the first stage holds 2 micro-batches of 2 layers, the last 1 and the loss
+    "pp2": (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]),
+    # interleaved (2 chunks of a layer a rank): the first rank holds 5 chunk micro-batches; an
+    # MTP layer and its own loss on the last
+    "pp2-interleaved-mtp": (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                "--num-layers-per-virtual-pipeline-stage", "1",
+                                "--mtp-num-layers", "1"]),
+    # heads, vocabulary and MLP split over TP, tokens over SP, the experts' tokens gathered
+    # over ETP
+    "tp2-sp-ep2-etp2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--expert-model-parallel-size", "2",
+                            "--expert-tensor-parallel-size", "2",
+                            "--moe-token-dispatcher-type", "alltoall"]),
+    # each layer's input kept, one layer rebuilt at a time
+    "pp2-full-recompute": (2, ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                               "--recompute-granularity", "full", "--recompute-method",
+                               "uniform", "--recompute-num-layers", "1"]),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_each_ranks_figure_is_what_it_holds_through_a_training_step(run, tmp_path):
+    """A real run's first step on CPU ranks (megatron's schedule, process groups, loss): each
+    rank's most bytes held for the backward at once (tests/_observed_launch.py
+    $ACTIVATION_DIR) is the figure for its pipeline rank within 2% (experts' tokens per rank
+    vary with the routing, and the tiny model's per-token index tensors weigh more than at
+    real sizes). Not judged, and not matched: an MTP layer under full recompute (megatron keeps
+    parts of the main loss's path beside the rebuilt MTP layer, 11% more here)."""
+    world, layout = RUNS[run]
+    launch(world, [*TINY_MODEL, "--train-iters", "1", *layout],
+           env={"ACTIVATION_DIR": str(tmp_path)},
+           script=REPO / "tests" / "_observed_launch.py").check()
+    for rank in range(world):
+        held = json.loads((tmp_path / f"activation_rank{rank}.json").read_text())
+        assert held["planned"] == pytest.approx(held["peak"], rel=0.02), (rank, held)
