@@ -307,15 +307,16 @@ def mtp_bytes(args, moe: bool, kernels: str = "te") -> tuple[float, float]:
     """(what one MTP layer keeps a micro-batch under the run's recompute, what its backward
     rebuilds). The layer: a decoder layer of the last layer's kind, the norms of the embedding
     and of the hidden state, and the projection's concatenated input. Under full, uniform
-    recompute megatron checkpoints it whole, keeping its two inputs (it skips block recompute);
-    selective recompute acts on its decoder layer."""
+    recompute megatron checkpoints it whole, keeping its two inputs (it skips block recompute),
+    and rebuilds it with its final norm while the decoder's final norm, whose backward waits
+    for it, still holds its input; selective recompute acts on its decoder layer."""
     shape = Shape.of(args, kernels)
     h, ts = args.hidden_size, shape.sequence_tokens
     parts = layer_parts(args, moe, kernels)
     whole = (sum(parts.values()) + 2 * norm_bytes(args, shape, h, ts)
              + shape.act * 2 * h * ts)
     if args.recompute_granularity == "full" and args.recompute_method == "uniform":
-        return 2 * layer_input_bytes(args), whole
+        return 2 * layer_input_bytes(args), whole + 2 * norm_bytes(args, shape, h, ts)
     if args.recompute_granularity == "selective":
         return whole - selective_recompute_saves(args, parts, kernels), 0.0
     return whole, 0.0
