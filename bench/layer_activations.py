@@ -1,5 +1,5 @@
-"""What one decoder layer of a recipe's model keeps for its backward, per micro-batch: the
-activation memory the dry run does not count.
+"""What one decoder layer of a recipe's model keeps for its backward, per micro-batch, measured,
+against the dry run's figure (moe_launcher/activation_memory.py).
 
     python bench/layer_activations.py RECIPE [RECIPE ...] [--experts 16]
 
@@ -7,11 +7,11 @@ Builds the first MoE layer of the recipe's MODEL_ARGS (and the layers before it)
 on this machine (local spec, bf16, world size 1, `--experts` routed experts in place of the
 model's: a token's activations depend on its top-k, not on how many experts there are) and runs
 its forward under torch's saved-tensor hooks, which see every tensor autograd keeps for the
-backward; the weights are not counted. Two sequence lengths separate what grows with the
-sequence (a * s) from the local spec's attention scores (b * s^2), which Transformer Engine's
-flash attention does not keep; the line printed extrapolates a * s to the recipe's
---seq-length. A reference, not a GPU measurement: Transformer Engine's fused kernels keep
-somewhat other tensors.
+backward; the weights and the attention mask (the batch's, shared by every layer) are not
+counted. Prints, at two sequence lengths, the dry run's figure for megatron's local spec over
+the bytes measured (the reference), then the dry run's figure on the GPU path (Transformer
+Engine's kernels: no s x s scores, bf16 norm inputs) for the recipe's own experts at its
+--seq-length. A reference on CPU, not a GPU measurement.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 LENGTHS = (256, 512)
+# the GPU recipes' precision and dispatch (_gpu_common.sh's IMPL_ARGS, less TE's kernels)
+IMPL_FLAGS = ["--bf16", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]
 
 
 def model_args(recipe: str) -> list[str]:
@@ -40,31 +42,35 @@ def _with(flags: list[str], flag: str, value: str) -> list[str]:
     return [*flags, flag, value]
 
 
-def saved_bytes(flags: list[str], layer: int, seq_length: int) -> int:
-    """Bytes autograd keeps for the backward of one forward of decoder layer `layer`."""
+def saved_bytes(flags: list[str], layer: int, seq_length: int) -> tuple[int, float]:
+    """(bytes autograd keeps for the backward of one forward of decoder layer `layer`, the dry
+    run's figure for it on the local spec)."""
     import torch
 
+    from moe_launcher import activation_memory
     from moe_launcher.convert import megatron_side
 
-    _, config = megatron_side.args_of_flags(flags, seq_length)
+    args, config = megatron_side.args_of_flags(flags, seq_length)
     with torch.device("cpu"):
         model = megatron_side.build(config)
     block = model.decoder.layers[layer]
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    causal = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
+    left_out = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    left_out.add(causal.untyped_storage().data_ptr())
     kept: dict[int, int] = {}
 
     def keep(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
+        if storage.data_ptr() not in left_out:
             kept.setdefault(storage.data_ptr(), storage.nbytes())
         return tensor
 
     hidden = torch.randn(seq_length, 1, config.hidden_size, dtype=config.params_dtype,
                          requires_grad=True)
-    causal = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
+    rotary = None if args.multi_latent_attention else model.rotary_pos_emb(seq_length)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        block(hidden, attention_mask=causal)
-    return sum(kept.values())
+        block(hidden, attention_mask=causal, rotary_pos_emb=rotary)
+    return sum(kept.values()), activation_memory.layer_bytes(args, True, "local")
 
 
 def first_moe_layer(flags: list[str]) -> int:
@@ -84,8 +90,7 @@ def one_layer_flags(flags: list[str], layer: int, experts: int) -> list[str]:
     if layer:
         small = _with(small, "--moe-layer-freq", f"([0]*{layer}+[1])")
     small = _with(small, "--num-experts", str(experts))
-    # the GPU recipes' precision and dispatch (_gpu_common.sh's IMPL_ARGS, less TE's kernels)
-    small += ["--bf16", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]
+    small += IMPL_FLAGS
     if "--moe-router-num-groups" in flags:  # (the groups must split the fewer experts)
         small = _with(_with(small, "--moe-router-num-groups", "1"), "--moe-router-group-topk",
                       "1")
@@ -97,6 +102,7 @@ def main() -> None:
     parser.add_argument("recipes", nargs="+")
     parser.add_argument("--experts", type=int, default=16)
     options = parser.parse_args()
+    from moe_launcher import activation_memory
     from moe_launcher.convert import megatron_side
 
     megatron_side.start()
@@ -105,15 +111,19 @@ def main() -> None:
         seq_length = int(flags[flags.index("--seq-length") + 1])
         layer = first_moe_layer(flags)
         small = one_layer_flags(flags, layer, options.experts)
-        kept = [saved_bytes(small, layer, length) for length in LENGTHS]
-        # kept = a * s + b * s^2 at the two lengths
-        (s1, s2), (k1, k2) = LENGTHS, kept
-        b = (k2 / s2 - k1 / s1) / (s2 - s1)
-        a = k1 / s1 - b * s1
-        print(f"layer_activations: {recipe} MoE layer {layer}: {a * seq_length / 2**30:.2f} GiB "
-              f"a micro-batch at {seq_length} tokens ({a / 2**10:.0f} KiB a token; the local "
-              f"spec's attention scores, {b * seq_length ** 2 / 2**30:.1f} GiB more, not "
-              "counted)", flush=True)
+        ratios = []
+        for length in LENGTHS:
+            measured, planned = saved_bytes(small, layer, length)
+            ratios.append(f"{planned / measured:.4f} at {length} tokens")
+        args, _ = megatron_side.args_of_flags([*flags, *IMPL_FLAGS], seq_length)
+        # (this machine's platform defaults turn RoPE fusion off; a GPU keeps megatron's
+        # default unless the recipe turns it off)
+        args.apply_rope_fusion = "--no-rope-fusion" not in flags
+        on_gpu = activation_memory.layer_bytes(args, True, "te")
+        print(f"layer_activations: {recipe} MoE layer {layer}: dry run / measured (local spec, "
+              f"{options.experts} experts) {', '.join(ratios)}; the dry run on the GPU path: "
+              f"{on_gpu / 2**30:.2f} GiB a micro-batch at {seq_length} tokens "
+              f"({on_gpu / seq_length / 2**10:.0f} KiB a token)", flush=True)
 
 
 if __name__ == "__main__":
