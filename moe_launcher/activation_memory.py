@@ -28,7 +28,10 @@ import types
 FP32 = 4
 INDEX = 8  # int64
 
-# --recompute-modules this model prices (others are counted as kept, and said so).
+# --recompute-modules this model prices (others are counted as kept, and said so): what each
+# frees as megatron's TransformerConfig.recompute_modules describes it; core_attn and moe are
+# judged against a run (moe_act needs grouped GEMM and mla_up_proj Transformer Engine: not run
+# on CPU).
 MODELLED_RECOMPUTE = ("core_attn", "moe_act", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
@@ -68,13 +71,21 @@ def core_attention_bytes(args, shape: Shape, heads: int, kv_heads: int, qk_dim: 
                          v_dim: int) -> float:
     """q, k and v as the attention kernel keeps them, and its softmax statistics."""
     t, a = shape.tokens, shape.act
-    if shape.kernels == "local":
-        # k and v repeated to every query head; the softmax of the scores, with dropout also
-        # the dropped-out scores and the mask
-        scores = args.micro_batch_size * heads * args.seq_length ** 2
-        dropout = (a + shape.mask) * scores if args.attention_dropout > 0 else 0
-        return a * t * heads * (2 * qk_dim + v_dim) + a * scores + dropout
-    return a * t * (heads * qk_dim + kv_heads * (qk_dim + v_dim)) + FP32 * t * heads
+    if shape.kernels == "local":  # k and v repeated to every query head
+        return a * t * heads * (2 * qk_dim + v_dim) + softmax_bytes(args, shape, heads)
+    return a * t * (heads * qk_dim + kv_heads * (qk_dim + v_dim)) + softmax_bytes(
+        args, shape, heads)
+
+
+def softmax_bytes(args, shape: Shape, heads: int) -> float:
+    """What the attention's softmax keeps: Transformer Engine's flash attention an fp32
+    log-sum-exp a head and token; the local spec the softmax of the s x s scores of every head,
+    with dropout also the dropped-out scores and the mask."""
+    if shape.kernels != "local":
+        return FP32 * shape.tokens * heads
+    scores = args.micro_batch_size * heads * args.seq_length ** 2
+    dropout = (shape.act + shape.mask) * scores if args.attention_dropout > 0 else 0
+    return shape.act * scores + dropout
 
 
 def attention_parts(args, shape: Shape) -> dict[str, float]:
@@ -130,9 +141,9 @@ def mlp_parts(args, shape: Shape, moe: bool) -> dict[str, float]:
         parts["MLP"] = sum(_mlp_bytes(args, shape, args.ffn_hidden_size / tp, t))
         return parts
     parts["router"] = router_bytes(args) * ts
-    experts, k = args.num_experts, args.moe_router_topk
     etp = args.expert_tensor_parallel_size or tp
-    routed = ts * k * etp  # token copies this rank's experts compute, on average
+    # token copies this rank's experts compute, on average
+    routed = ts * args.moe_router_topk * etp
     fc1, fc2 = _mlp_bytes(args, shape, args.moe_ffn_hidden_size / etp, routed)
     parts["experts"] = a * h * routed + fc1 + FP32 * routed  # + the routing probabilities
     parts["expert activation"] = fc2
@@ -183,15 +194,12 @@ def selective_recompute_saves(args, parts: dict[str, float], kernels: str) -> fl
     """Bytes --recompute-granularity selective frees of a layer with these parts."""
     modules = set(args.recompute_modules or ())
     freed = 0.0
-    if "core_attn" in modules:
-        # (TE keeps q, k and v as the checkpoint's inputs; the local spec frees its scores)
-        shape = Shape.of(args, kernels)
-        heads = args.num_attention_heads // args.tensor_model_parallel_size
-        freed += (FP32 * shape.tokens * heads if kernels == "te"
-                  else parts["core attention"] - _qkv_bytes(args, shape, heads))
+    shape = Shape.of(args, kernels)
+    heads = args.num_attention_heads // args.tensor_model_parallel_size
+    if "core_attn" in modules:  # (q, k and v stay, as the checkpoint's inputs)
+        freed += softmax_bytes(args, shape, heads)
     if "mla_up_proj" in modules and args.multi_latent_attention:
-        freed += _qkv_bytes(args, Shape.of(args, kernels),
-                            args.num_attention_heads // args.tensor_model_parallel_size)
+        freed += _mla_qkv_bytes(args, shape, heads)
     if "moe" in modules:
         freed += sum(parts.get(p, 0) for p in ("router", "experts", "expert activation",
                                                "shared experts"))
@@ -205,13 +213,10 @@ def selective_recompute_saves(args, parts: dict[str, float], kernels: str) -> fl
     return freed
 
 
-def _qkv_bytes(args, shape: Shape, heads: int) -> float:
-    """q, k and v of MLA (every head) or, for the local spec, repeated to every head."""
-    if args.multi_latent_attention:
-        qk = args.qk_head_dim + args.qk_pos_emb_head_dim
-        return shape.act * shape.tokens * heads * (2 * qk + args.v_head_dim)
-    d = args.kv_channels or args.hidden_size // args.num_attention_heads
-    return shape.act * shape.tokens * heads * 3 * d
+def _mla_qkv_bytes(args, shape: Shape, heads: int) -> float:
+    """MLA's q, k and v (every head)."""
+    qk = args.qk_head_dim + args.qk_pos_emb_head_dim
+    return shape.act * shape.tokens * heads * (2 * qk + args.v_head_dim)
 
 
 # --------------------------------------------------------------------------------------------

@@ -167,6 +167,10 @@ RUNS = {
                                    "--recompute-granularity", "full", "--recompute-method",
                                    "uniform", "--recompute-num-layers", "1",
                                    "--mtp-num-layers", "1"]),
+    # glm45_air_fsdp's recompute of the MoE part, and of core attention (the local spec's
+    # s x s scores; Transformer Engine's flash attention keeps q, k and v either way)
+    "selective-moe-core-attention": (1, ["--recompute-granularity", "selective",
+                                         "--recompute-modules", "moe", "core_attn"]),
 }
 
 
