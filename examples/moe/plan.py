@@ -461,7 +461,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
         print(f"[plan] WARNING: with activations the busiest GPU needs {busiest / GIB:.1f} GiB, "
               f"more than {gpu_memory_gib:g} GiB (an estimate: not refused); fix: "
               f"--recompute-granularity full --recompute-method uniform --recompute-num-layers "
-              f"1, fewer layers a pipeline stage, or a smaller --micro-batch-size")
+              f"1 (or selective, --recompute-modules moe), or a smaller --micro-batch-size")
     print("[plan] dry run OK: nothing was started")
     return 0
 

@@ -2,10 +2,11 @@
 # DeepSeek-V3, Megatron-FSDP + expert tensor parallel, 64 nodes x 8 H100 80GB (512 GPUs): no
 # pipeline (the MTP module beside the 61 layers on every GPU), the dense part sharded over DP512
 # (optim_grads_params); experts EP4 x ETP2 (one node: 64 experts a GPU, each split in two; the
-# all-to-all stays on NVLink), expert-DP 64 across nodes. Every layer recomputed in the backward (full, uniform, one layer a block): without
-# a pipeline one GPU keeps the activations of all 61 layers and the MTP module (2.22 GiB a MoE
-# layer at 4096 tokens by bench/layer_activations.py, over 130 GiB in all); recomputed, only
-# each layer's input (56 MiB) is kept.
+# all-to-all stays on NVLink), expert-DP 64 across nodes. Every layer recomputed in the backward
+# (full, uniform, one layer a block): without a pipeline one GPU keeps the activations of all 61
+# layers and the MTP module (2.2 GiB a MoE layer at 4096 tokens with the ETP2 gather, 134 GiB in
+# all, 160 GiB a GPU: the dry run's count without recompute); recomputed, only each layer's
+# input (56 MiB) is kept: 29.4 GiB a GPU.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"
 # shellcheck source=/dev/null

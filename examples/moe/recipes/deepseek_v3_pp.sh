@@ -5,9 +5,9 @@
 # 3 dense layers, the last 2 layers, the MTP module and the output layer. Experts EP32 x ETP1
 # (8 experts a GPU), expert-DP 1. Every layer recomputed in the backward (full, uniform, one
 # layer a block; DeepSeek recomputed parts of each layer): under 1F1B the second stage keeps the
-# activations of 15 micro-batches in flight through its 4 layers (2.22 GiB a layer at 4096
-# tokens by bench/layer_activations.py, 133 GiB in all);
-# recomputed, only each layer's input (56 MiB) is kept.
+# activations of 15 micro-batches in flight through its 4 layers (1.8 GiB a MoE layer at 4096
+# tokens, 105 GiB in all, 134 GiB a GPU: the dry run's count without recompute); recomputed,
+# only each layer's input (56 MiB) is kept: 39.8 GiB on the busiest GPU (the last stage).
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"
 # shellcheck source=/dev/null

@@ -4,9 +4,9 @@
 # the dense layer 0, the last the MTP layer (a MoE layer) and the output layer, which the MTP
 # layer runs a second time. Experts EP8 x ETP1, expert-DP 2. Every layer recomputed in the
 # backward (full, uniform, one layer a block): under 1F1B the first stage keeps the activations
-# of PP = 4 micro-batches in flight through its 12 layers (1.29 GiB a layer at 4096 tokens by
-# bench/layer_activations.py, 62 GiB beside the 50.8 GiB the dry run counts; it counts no
-# activations); recomputed, only each layer's input (32 MiB) is kept.
+# of PP = 4 micro-batches in flight through its 12 layers (0.9 GiB a MoE layer at 4096 tokens,
+# 41 GiB in all, 89 GiB a GPU: the dry run's count without recompute); recomputed, only each
+# layer's input (32 MiB) is kept: 58.3 GiB on the busiest GPU.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_glm45_air.sh"
 # shellcheck source=/dev/null

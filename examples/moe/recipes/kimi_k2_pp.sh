@@ -4,9 +4,9 @@
 # embedding, the dense layer 0 and two MoE layers, the last 2 layers and the output layer.
 # Experts EP64 x ETP1 (6 experts a GPU), expert-DP 1. Every layer recomputed in the backward
 # (full, uniform, one layer a block): under 1F1B the second stage keeps the activations of 15
-# micro-batches in flight through its 4 layers (1.91 GiB a layer at 4096 tokens by
-# bench/layer_activations.py, 115 GiB in all); recomputed,
-# only each layer's input (56 MiB) is kept.
+# micro-batches in flight through its 4 layers (1.4 GiB a MoE layer at 4096 tokens, 87 GiB in
+# all, 108 GiB a GPU: the dry run's count without recompute); recomputed, only each layer's
+# input (56 MiB) is kept: 25.9 GiB on the busiest GPU.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_kimi_k2.sh"
 # shellcheck source=/dev/null

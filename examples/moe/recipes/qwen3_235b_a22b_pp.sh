@@ -4,9 +4,9 @@
 # last the output layer. Experts EP16 x ETP1 (8 experts a GPU), expert-DP 1. Every layer
 # recomputed in the backward (full, uniform, one layer a block): under 1F1B the first stage
 # keeps the activations of PP = 8 micro-batches in flight through its 11 layers, about as many
-# layer activations as the model has layers whatever the PP size (1.42 GiB a layer at 4096
-# tokens by bench/layer_activations.py, 125 GiB in all);
-# recomputed, only each layer's input (32 MiB) is kept.
+# layer activations as the model has layers whatever the PP size (0.9 GiB a layer at 4096
+# tokens, 76 GiB in all, 113 GiB a GPU: the dry run's count without recompute); recomputed, only
+# each layer's input (32 MiB) is kept: 40.6 GiB on the busiest GPU.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_qwen3_235b_a22b.sh"
 # shellcheck source=/dev/null
