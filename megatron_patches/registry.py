@@ -152,6 +152,7 @@ PATCH_MODULES = (
     "megatron_patches.moe.mla_shared_rope_key_gradient",
     "megatron_patches.moe.qk_clip_distributed_optimizer",
     "megatron_patches.moe.qk_clip_every_attention_layer",
+    "megatron_patches.moe.qk_clip_negative_logits",
     "megatron_patches.checkpointing.scheduler_resume_weight_decay",
     "megatron_patches.checkpointing.exit_signal_one_sync",
     "megatron_patches.moe.global_aux_loss_dp_scale",

@@ -15,9 +15,11 @@ train_step does after the optimizer step (its module's name, which the patches m
 Rank 0 prints the largest logit clip_qk returns (what megatron logs) and, per clipped weight,
 the largest
 difference between the whole fp32 master after the clip (the ranks' shards summed) and the
-reference: the master before it scaled as the Kimi K2 report's QK-clip scales it (eta = min(1,
-threshold / max logit) per head, or per query group for GQA; query rows by eta^alpha, MLA's rope
-query rows by eta, key rows by eta^(1 - alpha), values and the shared rope key untouched).
+reference: the master before it scaled as the Kimi K2 report's QK-clip scales it (eta =
+threshold / max logit for each head past the threshold, or query group for GQA, 1 for the
+others; query rows by eta^alpha, MLA's rope query rows by eta, key rows by eta^(1 - alpha),
+values and the shared rope key untouched). With argv[3] == "negative", a head (MLA) or a query
+group (GQA) of the layer that clips has a negative largest logit.
 """
 
 import sys
@@ -73,11 +75,16 @@ def whole_masters(model, optimizer) -> dict[str, torch.Tensor]:
     return masters
 
 
+def _eta(logits: torch.Tensor) -> torch.Tensor:
+    """The report's scale: only the heads (groups) past the threshold are clipped."""
+    return torch.where(logits > THRESHOLD, THRESHOLD / logits, torch.ones_like(logits))
+
+
 def reference(name: str, master: torch.Tensor, logits: torch.Tensor, config) -> torch.Tensor:
     """QK-clip's scaling of one weight, per the Kimi K2 report, row block by row block."""
     scaled = master.clone()
     if config.multi_latent_attention:
-        eta = torch.clamp(THRESHOLD / logits, max=1.0)
+        eta = _eta(logits)
         nope, rope, value = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
         if "linear_q_up_proj" in name:  # per head: [nope query | rope query]
             rows = scaled.view(HEADS, nope + rope, -1)
@@ -88,7 +95,7 @@ def reference(name: str, master: torch.Tensor, logits: torch.Tensor, config) -> 
             rows[:, :nope] *= eta.pow(1 - ALPHA).view(HEADS, 1, 1)
         return scaled
     groups, dim = config.num_query_groups, config.kv_channels
-    eta = torch.clamp(THRESHOLD / logits.view(groups, -1).max(dim=1).values, max=1.0)
+    eta = _eta(logits.view(groups, -1).max(dim=1).values)
     per_group = HEADS // groups
     rows = scaled.view(groups, (per_group + 2) * dim, -1)  # per group: [its queries | k | v]
     rows[:, :per_group * dim] *= eta.pow(ALPHA).view(groups, 1, 1)
@@ -96,7 +103,7 @@ def reference(name: str, master: torch.Tensor, logits: torch.Tensor, config) -> 
     return scaled
 
 
-def main(attention: str, optimizer_name: str) -> None:
+def main(attention: str, optimizer_name: str, logits_sign: str = "positive") -> None:
     apply_all()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
@@ -125,12 +132,15 @@ def main(attention: str, optimizer_name: str) -> None:
                         use_distributed_optimizer=sharded,
                         use_layer_wise_distributed_optimizer=not sharded),
         [model])
-    # decoder layer 0: heads 0 and 2 past the threshold; layer 1: none (left as it is); the MTP
-    # layer's attention: heads 1 and 3
+    # decoder layer 0: heads 0 and 2 past the threshold (with "negative", head 1's logits, or
+    # GQA's second group's, all negative); layer 1: none (left as it is); the MTP layer's
+    # attention: heads 1 and 3
+    first = ([12.0, -0.5, 4.0, 1.5] if attention.startswith("mla") else [12.0, 0.5, -4.0, -1.5])
     logits = dict(zip([name for name, module in model.named_modules()
                        if hasattr(module, "core_attention")],
-                      [torch.tensor([12.0, 0.5, 4.0, 1.5]), torch.tensor([2.0, 1.0, 0.5, 2.5]),
-                       torch.tensor([0.5, 6.0, 1.0, 20.0])]))
+                      [torch.tensor(first if logits_sign == "negative"
+                                    else [12.0, 0.5, 4.0, 1.5]),
+                       torch.tensor([2.0, 1.0, 0.5, 2.5]), torch.tensor([0.5, 6.0, 1.0, 20.0])]))
     before = whole_masters(model, optimizer)
     for name, module in model.named_modules():
         if name in logits:  # (on the device, where TE's attention leaves them)
@@ -151,4 +161,4 @@ def main(attention: str, optimizer_name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -1,5 +1,5 @@
-"""Patches qk-clip-distributed-optimizer (Megatron-LM PR #7382) and qk-clip-every-attention-layer:
-megatron's QK-clip (`--qk-clip`, MuonClip's: Kimi K2). The worker (tests/_qk_clip_worker.py)
+"""Patches qk-clip-distributed-optimizer (Megatron-LM PR #7382), qk-clip-every-attention-layer and
+qk-clip-negative-logits: megatron's QK-clip (`--qk-clip`, MuonClip's: Kimi K2). The worker (tests/_qk_clip_worker.py)
 builds a bf16 model at DP2 with megatron's distributed optimizer (or MuonClip's layer-wise one),
 sets the largest attention logits Transformer Engine's attention would report (the local spec
 reports none; megatron takes `--qk-clip` with TE only, so no launched run can reach it here) and
@@ -9,6 +9,7 @@ of the fp32 masters before the clip.
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -43,6 +44,27 @@ def test_clip_scales_the_fp32_masters_as_qk_clip_does(attention, optimizer):
         assert difference == 0.0, name
         assert (changed > 1e-3) == ("decoder.layers.1." not in name), name
     assert _largest_logit(run) == (20.0 if attention == "mla-mtp" else 12.0)
+
+
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_a_head_under_the_threshold_is_left_as_it_is_whatever_its_logits_sign(attention):
+    """A head (MLA) or query group (GQA) whose largest logit is negative, in a layer that clips:
+    its rows are left as they are, the others scaled as the report scales them, bit for bit."""
+    run = launch(2, [attention, "adam", "negative"], script=WORKER, timeout=240).check()
+    clipped = _clipped(run)
+    assert clipped and all(difference == 0.0 for difference, _ in clipped.values()), clipped
+
+
+def test_unpatched_a_head_with_negative_logits_gets_nan_weights():
+    """megatron-core 0.19.2 scales it by min(1, threshold / logit), negative: its query and key
+    rows become NaN (a negative number's fractional power), the layer's masters off the
+    reference; the run's NaN check would stop it at the next step."""
+    run = launch(2, ["mla", "adam", "negative"], script=WORKER, timeout=240,
+                 env={"MEGATRON_PATCHES_DISABLE": "qk-clip-negative-logits"}).check()
+    first_layer = {name: values for name, values in _clipped(run).items()
+                   if "decoder.layers.0." in name}
+    assert len(first_layer) == 2, run.log[-3000:]
+    assert all(math.isnan(difference) for difference, _ in first_layer.values()), first_layer
 
 
 def test_unpatched_every_rank_dies_at_the_first_clip_under_the_distributed_optimizer():
