@@ -23,6 +23,7 @@ Targets megatron-core 0.19.x.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 FP32 = 4
@@ -142,8 +143,13 @@ def mlp_parts(args, shape: Shape, moe: bool) -> dict[str, float]:
         return parts
     parts["router"] = router_bytes(args) * ts
     etp = args.expert_tensor_parallel_size or tp
-    # token copies this rank's experts compute, on average
+    # token copies this rank's experts compute, on average (padded to the experts' capacity
+    # with --moe-pad-expert-input-to-capacity)
     routed = ts * args.moe_router_topk * etp
+    if args.moe_expert_capacity_factor and args.moe_pad_expert_input_to_capacity:
+        experts = args.num_experts
+        routed = math.ceil(ts * args.moe_router_topk * args.moe_expert_capacity_factor
+                           / experts) * experts * etp
     fc1, fc2 = _mlp_bytes(args, shape, args.moe_ffn_hidden_size / etp, routed)
     parts["experts"] = a * h * routed + fc1 + FP32 * routed  # + the routing probabilities
     parts["expert activation"] = fc2

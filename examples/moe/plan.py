@@ -361,6 +361,9 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> b
                                        else "".join(f" + {t}" for t in then))
           + f" + parameters and optimizer {size(state.total)} = "
           f"{size(state.total + peak.total)}")
+    if args.fp8 or args.fp4:
+        print("[plan] activations: FP8/FP4 activations not modelled (counted in the activation "
+              "dtype: an over-estimate)")
     not_modelled = activation_memory.recompute_not_modelled(args)
     if not_modelled:
         print(f"[plan] activations: --recompute-modules {' '.join(not_modelled)} not modelled "

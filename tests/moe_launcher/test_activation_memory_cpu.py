@@ -171,6 +171,10 @@ RUNS = {
     # s x s scores; Transformer Engine's flash attention keeps q, k and v either way)
     "selective-moe-core-attention": (1, ["--recompute-granularity", "selective",
                                          "--recompute-modules", "moe", "core_attn"]),
+    # every expert's input padded to its capacity (1.5 x its share)
+    "capacity-padded": (1, ["--moe-expert-capacity-factor", "1.5",
+                            "--moe-pad-expert-input-to-capacity",
+                            "--moe-token-dispatcher-type", "alltoall"]),
 }
 
 
