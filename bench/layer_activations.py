@@ -24,8 +24,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 LENGTHS = (256, 512)
-# the GPU recipes' precision and dispatch (_gpu_common.sh's IMPL_ARGS, less TE's kernels)
-IMPL_FLAGS = ["--bf16", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"]
+# the GPU recipes' precision and dispatch (_gpu_common.sh's IMPL_ARGS, less TE's kernels) and
+# their dropout (its TRAIN_ARGS')
+IMPL_FLAGS = ["--bf16", "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall",
+              "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 def model_args(recipe: str) -> list[str]:

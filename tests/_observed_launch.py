@@ -56,6 +56,7 @@ when its environment variable names a directory:
 """
 
 import collections
+import dataclasses
 import functools
 import itertools
 import json
@@ -440,6 +441,8 @@ class _HeldForBackward:
 
 
 class _Holder:
+    """One tensor autograd saved, counted until autograd lets it go."""
+
     def __init__(self, count: _HeldForBackward, tensor: torch.Tensor, key: int, nbytes: int):
         self.count, self.tensor, self.key = count, tensor, key
         if not count.holders[key]:
@@ -457,8 +460,6 @@ class _Holder:
 
 
 def _observe_activations(training) -> None:
-    import dataclasses
-
     from megatron.core import parallel_state
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.utils import get_attr_wrapped_model

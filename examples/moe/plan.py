@@ -9,9 +9,11 @@ run), checks the layout arithmetic against the world size (the per-stage layer s
 moe_launcher.model.layer_layout) and runs the launcher's other checks of the flags (not those of
 files and packages: the dry run may run on another machine), runs megatron's validate_args and
 TransformerConfig checks on a simulated H100, and prints the layout, the per-GPU parameter +
-optimizer memory estimate, the activations (moe_launcher.activation_memory) and the model FLOPs (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log prints). Nothing is
-trained, no process group is created. Exits 1 (and names the flag and the fix) when the
-layout cannot run, 2 when the flags do not parse.
+optimizer memory estimate, the activations (moe_launcher.activation_memory; a warning where the
+busiest GPU would not hold them) and the model FLOPs
+(megatron_patches.accounting.flops_from_layer_census, the same numbers the training log
+prints). Nothing is trained, no process group is created. Exits 1 (and names the flag and the
+fix) when the layout cannot run, 2 when the flags do not parse.
 
 Used by `DRY_RUN=1 bash examples/moe/train.sh` / `bash examples/moe/train.sh --dry-run`.
 """
@@ -334,9 +336,9 @@ def recompute_said(args) -> str:
     return "no recompute"
 
 
-def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> bool:
+def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> float:
     """Prints the activation estimate (moe_launcher.activation_memory) and the busiest GPU's
-    total; returns whether that fits."""
+    total (its stage's parameters and optimizer, and its activations); returns that total."""
     from moe_launcher import activation_memory
 
     microbatches = args.global_batch_size // (args.micro_batch_size * layout.dp)
