@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 LENGTHS = (256, 512)
 # the GPU recipes' precision and dispatch (_gpu_common.sh's IMPL_ARGS, less TE's kernels) and
 # their dropout (its TRAIN_ARGS')
@@ -49,6 +49,7 @@ def saved_bytes(flags: list[str], layer: int, seq_length: int) -> tuple[int, flo
     run's figure for it on the local spec)."""
     import torch
 
+    import _megatron_cpu as cpu
     from moe_launcher import activation_memory
     from moe_launcher.convert import megatron_side
 
@@ -56,23 +57,10 @@ def saved_bytes(flags: list[str], layer: int, seq_length: int) -> tuple[int, flo
     with torch.device("cpu"):
         model = megatron_side.build(config)
     block = model.decoder.layers[layer]
-    causal = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
-    left_out = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    left_out.add(causal.untyped_storage().data_ptr())
-    kept: dict[int, int] = {}
-
-    def keep(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in left_out:
-            kept.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    hidden = torch.randn(seq_length, 1, config.hidden_size, dtype=config.params_dtype,
-                         requires_grad=True)
     rotary = None if args.multi_latent_attention else model.rotary_pos_emb(seq_length)
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        block(hidden, attention_mask=causal, rotary_pos_emb=rotary)
-    return sum(kept.values()), activation_memory.layer_bytes(args, True, "local")
+    measured = cpu.kept_for_backward(model, lambda hidden, mask: block(
+        hidden, attention_mask=mask, rotary_pos_emb=rotary), seq_length)
+    return measured, activation_memory.layer_bytes(args, True, "local")
 
 
 def first_moe_layer(flags: list[str]) -> int:

@@ -180,3 +180,25 @@ def measured_flops(model, batch: int, seq_length: int) -> int:
     with FlopCounterMode(display=False) as counter:
         train_step_loss(model, batch, seq_length).backward()
     return counter.get_total_flops()
+
+
+def kept_for_backward(model, run, seq_length: int) -> int:
+    """Bytes of the tensors autograd keeps while `run(hidden, mask)` runs on a batch of one
+    sequence of `seq_length` (under torch's saved-tensor hooks; each storage once), the model's
+    weights and the causal mask, which every layer shares, left out."""
+    hidden = torch.randn(seq_length, 1, model.config.hidden_size,
+                         dtype=model.config.params_dtype, requires_grad=True)
+    mask = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
+    left_out = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    left_out.add(mask.untyped_storage().data_ptr())
+    kept: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in left_out:
+            kept.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        run(hidden, mask)
+    return sum(kept.values())

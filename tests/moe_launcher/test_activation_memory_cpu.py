@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _launch import REPO, TINY_MODEL, launch
-from _megatron_cpu import environment_kept
+from _megatron_cpu import environment_kept, kept_for_backward
 from moe_launcher import activation_memory
 
 SEQ = 128
@@ -66,27 +66,6 @@ def _model(flags: list[str]):
         return args, megatron_side.build(config)
 
 
-def _kept_bytes(model, run) -> int:
-    """Bytes of the tensors autograd keeps while `run(hidden, mask)` runs, weights and the
-    mask left out (each storage once)."""
-    hidden = torch.randn(SEQ, 1, model.config.hidden_size, dtype=torch.bfloat16,
-                         requires_grad=True)
-    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
-    left_out = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    left_out.add(mask.untyped_storage().data_ptr())
-    kept: dict[int, int] = {}
-
-    def keep(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in left_out:
-            kept.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        run(hidden, mask)
-    return sum(kept.values())
-
-
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("layers", LAYERS)
 def test_a_layers_figure_is_what_megatrons_layer_keeps(layers, kind):
@@ -94,8 +73,8 @@ def test_a_layers_figure_is_what_megatrons_layer_keeps(layers, kind):
         args, model = _model(["--num-layers", "2", *MODEL, *LAYERS[layers]])
         index = 0 if kind == "dense" else 1
         rotary = None if args.multi_latent_attention else model.rotary_pos_emb(SEQ)
-        measured = _kept_bytes(model, lambda hidden, mask: model.decoder.layers[index](
-            hidden, attention_mask=mask, rotary_pos_emb=rotary))
+        measured = kept_for_backward(model, lambda hidden, mask: model.decoder.layers[index](
+            hidden, attention_mask=mask, rotary_pos_emb=rotary), SEQ)
     local = activation_memory.layer_parts(args, kind == "moe", "local")
     if kind == "dense":
         assert sum(local.values()) == measured, local
@@ -121,8 +100,8 @@ def test_full_recompute_keeps_what_megatrons_checkpointed_decoder_keeps(recomput
         args, model = _model([*flags, *recomputing])
         model.train()
         rotary = model.rotary_pos_emb(SEQ)
-        measured = _kept_bytes(model, lambda hidden, mask: model.decoder(
-            hidden, attention_mask=mask, rotary_pos_emb=rotary))
+        measured = kept_for_backward(model, lambda hidden, mask: model.decoder(
+            hidden, attention_mask=mask, rotary_pos_emb=rotary), SEQ)
         measured -= rotary.untyped_storage().nbytes()  # (one tensor every checkpoint shares)
     kept, rebuilt = activation_memory.chunk_bytes(args, [0, 0, 0], "local")
     shape = activation_memory.Shape.of(args, "local")
