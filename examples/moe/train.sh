@@ -293,7 +293,8 @@ if [[ "$DRY_RUN" == 1 ]]; then
     echo "[train.sh] submit with: $SUBMIT (add --gpus-per-node=$GPUS_PER_NODE where the ranks" \
          "use GPUs, and your cluster's --account/--partition if it needs them)"
   fi
-  exec "$PYTHON" examples/moe/plan.py --world-size "$WORLD" ${VOCAB_SIZE:+--vocab-size-hint "$VOCAB_SIZE"} -- "${ARGS[@]}"
+  exec "$PYTHON" examples/moe/plan.py --world-size "$WORLD" ${VOCAB_SIZE:+--vocab-size-hint "$VOCAB_SIZE"} \
+    ${GPU_MEMORY_GIB:+--gpu-memory-gib "$GPU_MEMORY_GIB"} -- "${ARGS[@]}"
 fi
 [[ -f pretrain_moe.py ]] || die "pretrain_moe.py not found in $ROOT"
 

@@ -220,6 +220,17 @@ def test_dry_run_warns_when_activations_outgrow_the_gpu(monkeypatch):
     assert "--recompute-granularity full" in out and "dry run OK" in out
 
 
+def test_dry_run_checks_against_the_gpu_memory_it_is_given():
+    """GPU_MEMORY_GIB sizes train.sh's dry run for other GPUs: glm45_air_fsdp without its MoE
+    recompute (85 GiB) warns on an 80 GB H100 (the default) and fits an H200's 141 GiB."""
+    extra = ["--dry-run", "--recompute-modules", "core_attn"]
+    on_h100 = train_sh(*extra, RECIPE="glm45_air_fsdp")
+    on_h200 = train_sh(*extra, RECIPE="glm45_air_fsdp", GPU_MEMORY_GIB="141")
+    assert on_h100.returncode == on_h200.returncode == 0, on_h100.stderr + on_h200.stderr
+    assert "WARNING: with activations" in on_h100.stdout and "of 80 GiB" in on_h100.stdout
+    assert "WARNING" not in on_h200.stdout and "of 141 GiB" in on_h200.stdout, on_h200.stdout
+
+
 def test_dry_run_takes_flags_megatron_checks_against_the_images_transformer_engine(monkeypatch):
     """megatron takes --qk-clip (MuonClip's QK-clip) with Transformer Engine >= 2.9, which the
     cluster image has; the dry run, on a machine without TE, refused it ("--qk-clip is only
