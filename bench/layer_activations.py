@@ -63,14 +63,6 @@ def saved_bytes(flags: list[str], layer: int, seq_length: int) -> tuple[int, flo
     return measured, activation_memory.layer_bytes(args, True, "local")
 
 
-def first_moe_layer(flags: list[str]) -> int:
-    if "--moe-layer-freq" not in flags:
-        return 0
-    # (a recipe's own literal, such as "([0]*3+[1]*58)", which megatron evaluates too)
-    frequency = eval(flags[flags.index("--moe-layer-freq") + 1], {}, {})  # noqa: S307
-    return frequency.index(1) if isinstance(frequency, list) else 0
-
-
 def one_layer_flags(flags: list[str], layer: int, experts: int) -> list[str]:
     """The recipe's model up to MoE layer `layer`, with `experts` routed experts and no MTP."""
     if "--mtp-num-layers" in flags:
@@ -94,18 +86,19 @@ def main() -> None:
     options = parser.parse_args()
     from moe_launcher import activation_memory
     from moe_launcher.convert import megatron_side
+    from moe_launcher.preflight import moe_pattern
 
     megatron_side.start()
     for recipe in options.recipes:
         flags = model_args(recipe)
         seq_length = int(flags[flags.index("--seq-length") + 1])
-        layer = first_moe_layer(flags)
+        args, _ = megatron_side.args_of_flags([*flags, *IMPL_FLAGS], seq_length)
+        layer = moe_pattern(args).index(1)
         small = one_layer_flags(flags, layer, options.experts)
         ratios = []
         for length in LENGTHS:
             measured, planned = saved_bytes(small, layer, length)
             ratios.append(f"{planned / measured:.4f} at {length} tokens")
-        args, _ = megatron_side.args_of_flags([*flags, *IMPL_FLAGS], seq_length)
         # (this machine's platform defaults turn RoPE fusion off; a GPU keeps megatron's
         # default unless the recipe turns it off)
         args.apply_rope_fusion = "--no-rope-fusion" not in flags

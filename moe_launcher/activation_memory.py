@@ -300,7 +300,8 @@ def layer_bytes(args, moe: bool, kernels: str = "te") -> float:
 def chunk_bytes(args, chunk: list[int], kernels: str = "te") -> tuple[float, float]:
     """(bytes a model chunk with these layers keeps a micro-batch under the run's recompute,
     the most its backward rebuilds at once: one recomputed block)."""
-    full = [layer_bytes(args, bool(moe), kernels) for moe in chunk]
+    parts = [layer_parts(args, bool(moe), kernels) for moe in chunk]
+    full = [sum(layer.values()) for layer in parts]
     if args.recompute_granularity == "full":
         n, kept_input = args.recompute_num_layers, layer_input_bytes(args)
         if args.recompute_method == "uniform":
@@ -308,9 +309,8 @@ def chunk_bytes(args, chunk: list[int], kernels: str = "te") -> tuple[float, flo
             return kept_input * len(blocks), max(blocks, default=0.0)
         return kept_input * len(full[:n]) + sum(full[n:]), max(full[:n], default=0.0)
     if args.recompute_granularity == "selective":
-        return sum(total - selective_recompute_saves(args, layer_parts(args, bool(moe), kernels),
-                                                     kernels)
-                   for total, moe in zip(full, chunk)), 0.0
+        return sum(total - selective_recompute_saves(args, layer, kernels)
+                   for total, layer in zip(full, parts)), 0.0
     return sum(full), 0.0
 
 
@@ -359,6 +359,11 @@ class RankActivations:
     def total(self) -> float:
         # (a micro-batch's loss is freed by its backward before a block is recomputed)
         return self.in_flight + max(self.rebuilt, self.loss + self.logits)
+
+    @property
+    def saved(self) -> float:
+        """What autograd holds for the backward at the peak (the logits are not among it)."""
+        return self.in_flight + max(self.rebuilt, self.loss)
 
 
 def rank_activations(args, config, pattern: list[int], vocab: int, microbatches: int,

@@ -488,7 +488,7 @@ def _observe_activations(training) -> None:
         mine = ranks[parallel_state.get_pipeline_model_parallel_rank()]
         with open(path, "w") as out:
             json.dump({"peak": count.peak,
-                       "planned": mine.in_flight + max(mine.rebuilt, mine.loss),
+                       "planned": mine.saved,
                        "parts": dataclasses.asdict(mine)}, out)
         return result
 

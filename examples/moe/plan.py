@@ -242,7 +242,12 @@ def memory_per_gpu(args, c: Counts, layout: Layout) -> Memory:
     """Parameter + gradient + optimizer bytes on the busiest GPU (activations excluded): each
     pipeline stage priced, the most expensive kept (by bytes: the distributed optimizer shards
     dense and expert state over different numbers of ranks)."""
-    return max(stage_memories(args, c, layout), key=lambda memory: memory.total)
+    return busiest(stage_memories(args, c, layout))
+
+
+def busiest(stages: list[Memory]) -> Memory:
+    """The stage that needs the most bytes."""
+    return max(stages, key=lambda memory: memory.total)
 
 
 def stage_memories(args, c: Counts, layout: Layout) -> list[Memory]:
@@ -347,8 +352,8 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> f
     built = set(map(bool, layout.moe_pattern))
     kinds = [(kind, activation_memory.layer_bytes(args, moe))
              for kind, moe in (("MoE", True), ("dense", False)) if moe in built]
-    busiest = max(range(len(ranks)), key=lambda r: states[r].total + ranks[r].total)
-    peak, state = ranks[busiest], states[busiest]
+    fullest = max(range(len(ranks)), key=lambda r: states[r].total + ranks[r].total)
+    peak, state = ranks[fullest], states[fullest]
     chunked = " chunk" if (args.virtual_pipeline_model_parallel_size or 1) > 1 else ""
     print(f"[plan] activations (moe_launcher.activation_memory: Transformer Engine's kernels, "
           f"{recompute_said(args)}, experts' average share of tokens): a layer's activations "
@@ -357,7 +362,7 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> f
     then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
     if peak.loss:
         then.append(f"a micro-batch's logits and loss {size(peak.loss + peak.logits)}")
-    print(f"[plan] busiest GPU (pipeline stage {busiest}): {peak.micro_batches}{chunked} "
+    print(f"[plan] busiest GPU (pipeline stage {fullest}): {peak.micro_batches}{chunked} "
           f"micro-batch{'es' if peak.micro_batches > 1 else ''} in flight "
           f"{size(peak.in_flight)}" + (f" + the larger of {' and '.join(then)}" if len(then) > 1
                                        else "".join(f" + {t}" for t in then))
@@ -428,7 +433,8 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
         return 0
     counts = count_parameters(args)
     total, active = totals(args, counts, layout.moe_pattern)
-    mem = memory_per_gpu(args, counts, layout)
+    stages = stage_memories(args, counts, layout)
+    mem = busiest(stages)
     flops = flops_per_iteration(validated, config, layout)
     tokens = args.global_batch_size * args.seq_length
     print(layout.line())
@@ -449,8 +455,7 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     print(f"[plan] per-GPU memory ({kind}): weights {size(mem.weights)} + grads "
           f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
-    busiest = activations_per_gpu(validated, config, layout,
-                                  stage_memories(args, counts, layout))
+    with_activations = activations_per_gpu(validated, config, layout, stages)
     if mem.optimizer_not_modelled:
         print(f"[plan] optimizer memory: {mem.optimizer_not_modelled} is not modelled; priced "
               f"as fp32 Adam moments")
@@ -462,8 +467,9 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
               f"more than {gpu_memory_gib:g} GiB; fix: raise --expert-model-parallel-size / "
               f"--pipeline-model-parallel-size or run on more nodes", file=sys.stderr)
         return 1
-    if busiest > gpu_memory_gib * GIB:
-        print(f"[plan] WARNING: with activations the busiest GPU needs {busiest / GIB:.1f} GiB, "
+    if with_activations > gpu_memory_gib * GIB:
+        print(f"[plan] WARNING: with activations the busiest GPU needs "
+              f"{with_activations / GIB:.1f} GiB, "
               f"more than {gpu_memory_gib:g} GiB (an estimate: not refused); fix: "
               f"--recompute-granularity full --recompute-method uniform --recompute-num-layers "
               f"1 (or selective, --recompute-modules moe), or a smaller --micro-batch-size")

@@ -36,7 +36,8 @@ NAME = "qk-clip-distributed-optimizer"
 SHARD_START = "qk_clip_master_shard_start"
 
 
-def _clipping_attention_classes() -> list:
+def clipping_attention_classes() -> list:
+    """megatron's attention classes with a clip_qk (the QK-clip patches wrap both)."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -53,7 +54,7 @@ def _not_needed_because(context):
     # (read from megatron's own code: the crash needs logits above the threshold, which only
     # Transformer Engine's attention reports)
     if all("main_param_sharded" in inspect.getsource(cls.clip_qk)
-           for cls in _clipping_attention_classes()):
+           for cls in clipping_attention_classes()):
         return "megatron's clip_qk handles sharded fp32 masters"
     return None
 
@@ -112,7 +113,7 @@ def _on_whole_masters(clip_qk):
 def _apply():
     optimizer = _distributed_optimizer()
     optimizer.__init__ = _recording_shard_starts(optimizer.__init__)
-    for cls in _clipping_attention_classes():
+    for cls in clipping_attention_classes():
         cls.clip_qk = _on_whole_masters(cls.clip_qk)
 
 

@@ -24,16 +24,10 @@ import inspect
 
 import torch
 
+from megatron_patches.moe.qk_clip_distributed_optimizer import clipping_attention_classes
 from megatron_patches.registry import Patch, register, unwrapped
 
 NAME = "qk-clip-negative-logits"
-
-
-def _clipping_attention_classes() -> list:
-    from megatron.core.transformer.attention import SelfAttention
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    return [SelfAttention, MLASelfAttention]
 
 
 def _unguarded(clip_qk) -> bool:
@@ -44,7 +38,7 @@ def _unguarded(clip_qk) -> bool:
 
 
 def _not_needed_because(context):
-    if not any(_unguarded(cls.clip_qk) for cls in _clipping_attention_classes()):
+    if not any(_unguarded(cls.clip_qk) for cls in clipping_attention_classes()):
         return "megatron's clip_qk guards its scale of heads under the threshold"
     return None
 
@@ -63,7 +57,7 @@ def _heads_under_the_threshold_unscaled(clip_qk):
 
 
 def _apply():
-    for cls in _clipping_attention_classes():
+    for cls in clipping_attention_classes():
         cls.clip_qk = _heads_under_the_threshold_unscaled(cls.clip_qk)
 
 
