@@ -31,8 +31,10 @@ when its environment variable names a directory:
   leaves are zeroed by the training step, which starts by zeroing the gradient buffers;
 * $ROUTER_COUNT_DIR: at the first iteration's gradient finalization (before megatron's
   expert-bias update uses and zeroes them), each rank writes, per router, the dtype and values of
-  its expert-bias token counter and the routing decisions its forwards made, counted here
-  (routing_map summed, for forwards with gradients, as megatron counts), to
+  its expert-bias token counter, the routing decisions its forwards made, counted here
+  (routing_map summed, for forwards with gradients, as megatron counts), and the experts its
+  routers chose (DeepSeek's loss-free balancing's count: each token's top-k by sigmoid score +
+  expert bias, from the logits megatron's gating computed; no expert groups), to
   router_counts_rank{R}.json;
 * $CHUNK_DIR: around each call of megatron's `preprocess_fsdp_dtensor_state_dict` (an
   fsdp_dtensor save or load; the patches' wrappers of it outside this one), each rank counts the
@@ -295,7 +297,18 @@ def _observe_flops(training) -> None:
 def _observe_router_counts(training) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    forward, finalize = TopKRouter.forward, training.finalize_model_grads
+    forward, gating = TopKRouter.forward, TopKRouter.gating
+    finalize = training.finalize_model_grads
+
+    @functools.wraps(gating)
+    def counted_gating(self, *args, **kwargs):
+        logits = gating(self, *args, **kwargs)
+        if torch.is_grad_enabled() and self.expert_bias is not None:
+            scores = torch.sigmoid(logits.detach().float()).reshape(-1, logits.shape[-1])
+            top = torch.topk(scores + self.expert_bias, self.topk, dim=-1).indices
+            self.observed_chosen = getattr(self, "observed_chosen", 0) + \
+                torch.bincount(top.flatten(), minlength=logits.shape[-1])
+        return logits
 
     @functools.wraps(forward)
     def counted_forward(self, *args, **kwargs):
@@ -315,10 +328,12 @@ def _observe_router_counts(training) -> None:
             with open(path, "w") as f:
                 json.dump([{"dtype": str(router.local_tokens_per_expert.dtype),
                             "counts": router.local_tokens_per_expert.tolist(),
-                            "routed": router.observed_routed.tolist()} for router in routers], f)
+                            "routed": router.observed_routed.tolist(),
+                            "chosen": getattr(router, "observed_chosen", torch.zeros(0)).tolist()}
+                           for router in routers], f)
         return finalize(model, *args, **kwargs)
 
-    TopKRouter.forward = counted_forward
+    TopKRouter.forward, TopKRouter.gating = counted_forward, counted_gating
     training.finalize_model_grads = finalize_model_grads
 
 

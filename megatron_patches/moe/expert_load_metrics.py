@@ -5,8 +5,10 @@ values, not the load they are meant to balance). Targets megatron-core 0.19.x.
 
 Per MoE layer and logging interval: tokens per expert (min, max, mean, coefficient of variation
 = std / mean), the number of experts that received no token, and the tokens dropped by the
-capacity factor (--moe-expert-capacity-factor without --moe-pad-expert-input-to-capacity;
-with padding to capacity the router's map holds the padding, so drops are not reported).
+capacity factor (--moe-expert-capacity-factor). With --moe-pad-expert-input-to-capacity the
+router's map holds the padding as well: the tokens counted are those of it the router chose,
+read from the map before the drop that patch expert-bias-counts-routed-tokens keeps beside it
+(with that patch left out, the padded map is counted and drops are not reported).
 
 * Counting: after `TopKRouter.routing` returns its routing map, each router adds the map's
   per-expert sums to a device tensor of its own: no host sync, no collective, on the step's
@@ -31,6 +33,7 @@ import weakref
 import torch
 
 from moe_launcher.runtime import collectives
+from megatron_patches.moe.expert_bias_counts_routed_tokens import routed_before_capacity
 from megatron_patches.registry import Patch, PatchContext, register
 
 NAME = "expert-load-metrics"
@@ -76,16 +79,25 @@ def _layer_index(router) -> int | None:
 def _count(router, routing_map: torch.Tensor) -> None:
     # Two device ops per router and micro-batch (no autograd: the map is boolean); the drop
     # count only where a capacity factor can drop tokens.
-    assigned = routing_map.sum(dim=0)
+    config = router.config
+    capacity = config.moe_expert_capacity_factor is not None
+    drops_known, kept = True, routing_map
+    if capacity and config.moe_pad_expert_input_to_capacity:
+        # The map holds the padding too: the tokens an expert really got are those of it the
+        # router chose (the map before the drop, kept by expert-bias-counts-routed-tokens).
+        routed = routed_before_capacity(routing_map)
+        drops_known = routed is not routing_map
+        if drops_known:
+            kept = routing_map & routed
+    assigned = kept.sum(dim=0)
     if getattr(router, "_expert_load", None) is None:
         router._expert_load = torch.zeros_like(assigned)
         router._expert_drops = torch.zeros((), dtype=assigned.dtype, device=assigned.device)
     router._expert_load += assigned
-    config = router.config
-    if (config.moe_expert_capacity_factor is not None
-            and not config.moe_pad_expert_input_to_capacity):
+    router._expert_drops_known = drops_known
+    if capacity and drops_known:
         # Top-k routing assigns every token k experts; what the map lacks was dropped.
-        router._expert_drops += routing_map.shape[0] * router.topk - assigned.sum()
+        router._expert_drops += kept.shape[0] * router.topk - assigned.sum()
     _ROUTERS.add(router)
 
 
@@ -104,9 +116,7 @@ def interval_loads(num_layers: int, num_experts: int) -> list[LayerLoad]:
                             for router, _ in counted]).tolist()
         for (router, index), row in zip(counted, rows):
             table[index * width:(index + 1) * width] = row
-            config = router.config
-            drops_known[index] = float(config.moe_expert_capacity_factor is None
-                                       or not config.moe_pad_expert_input_to_capacity)
+            drops_known[index] = float(router._expert_drops_known)
             router._expert_load.zero_()
             router._expert_drops.zero_()
     summed = collectives.reduce_numbers(table + drops_known, op="sum")

@@ -15,8 +15,14 @@ from _launch import tensorboard_scalars
 BATCH, SEQ, EXPERTS, TOPK = 2, 64, 8, 2
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_expert_load_equals_a_direct_count(capacity_factor, tmp_path):
+CAPACITY = {"dropless": {}, "dropping": dict(moe_expert_capacity_factor=0.5),
+            "padded": dict(moe_expert_capacity_factor=0.5, moe_pad_expert_input_to_capacity=True)}
+
+
+@pytest.mark.parametrize("capacity", CAPACITY)
+def test_expert_load_equals_a_direct_count(capacity, tmp_path, monkeypatch):
+    """Padded to capacity the router's map holds the padding: the direct count is then of its
+    entries the router chose, each token's top-k of the logits the router's gating computed."""
     from megatron.core.transformer.moe.router import TopKRouter
     from torch.utils.tensorboard import SummaryWriter
 
@@ -26,16 +32,28 @@ def test_expert_load_equals_a_direct_count(capacity_factor, tmp_path):
     registry.load_patches()
     registry.apply_patches(registry.current_context(cpu_backend=True))
     config = cpu.tiny_config(num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-                             moe_expert_capacity_factor=capacity_factor,
-                             moe_token_drop_policy="probs")
+                             moe_token_drop_policy="probs", **CAPACITY[capacity])
     torch.manual_seed(0)
     model = cpu.build_gpt(config, SEQ)
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     routed = {r.layer_number: torch.zeros(EXPERTS, dtype=torch.int64) for r in routers}
+    chosen, gating = {}, TopKRouter.gating
+
+    def chosen_by_gating(router, hidden):  # softmax routing: top-k of the logits
+        logits = gating(router, hidden).reshape(-1, EXPERTS)
+        top = torch.topk(logits, TOPK, dim=-1).indices
+        chosen[router.layer_number] = torch.zeros_like(logits, dtype=torch.bool).scatter(
+            1, top, True)
+        return logits
+
+    monkeypatch.setattr(TopKRouter, "gating", chosen_by_gating)
 
     def count(router, inputs, outputs):
         if torch.is_grad_enabled():
-            routed[router.layer_number] += outputs[1].sum(dim=0)
+            real = outputs[1] & chosen[router.layer_number]
+            if capacity != "padded":
+                assert torch.equal(real, outputs[1])  # the map holds only chosen tokens
+            routed[router.layer_number] += real.sum(dim=0)
 
     for router in routers:
         router.register_forward_hook(count)
@@ -61,7 +79,7 @@ def test_expert_load_equals_a_direct_count(capacity_factor, tmp_path):
         assert load.idle_experts == direct.count(0)
         assigned_before_drops = 2 * BATCH * SEQ * TOPK
         assert load.dropped == assigned_before_drops - sum(direct)
-        if capacity_factor is not None:
+        if capacity != "dropless":
             assert load.dropped > 0
     expert_load_metrics.write_scalars(loads, 7, writer, None)
     writer.flush()
