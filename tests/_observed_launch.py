@@ -54,7 +54,15 @@ when its environment variable names a directory:
   attention masks left out, and writes activation_rank{R}.json: {"peak": the most held at
   once, "planned": moe_launcher.activation_memory's figure for this pipeline rank on the local
   spec (its loss's logits in the activation dtype left out: autograd does not keep them),
-  "parts": its RankActivations}.
+  "parts": its RankActivations};
+* $FSDP_BUCKET_DIR: through megatron's first training step, each rank counts the bytes of
+  Megatron-FSDP's temporary buckets alive at once (gathered weights: its
+  StorageResizeBasedBucketAllocator; unsharded gradients: the gradient buffers'
+  TemporaryBucketAllocators), each from megatron's allocation of it to megatron's free, and
+  writes fsdp_buckets_rank{R}.json: {"peak": the most bytes alive at once, "weights", "grads":
+  the two kinds' bytes at that moment}. $FSDP_COMMUNICATION_UNIT, where set, is the
+  communication unit (elements) megatron's DDP config gets in place of its default (not a
+  command-line flag), so that a tiny model's units outgrow its windows as a real model's do.
 """
 
 import collections
@@ -510,6 +518,75 @@ def _observe_activations(training) -> None:
     training.train_step = train_step
 
 
+class _LiveBuckets:
+    """Megatron-FSDP's temporary buckets alive now (allocator, bucket id) -> (bytes, kind), and
+    the most bytes alive at once with each kind's share then."""
+
+    def __init__(self):
+        self.live, self.peak, self.at_peak = {}, 0, {"weights": 0, "grads": 0}
+        self.counting = False  # whether the peak is being measured
+
+    def allocated(self, allocator, bucket_id, nbytes: int, kind: str) -> None:
+        self.live[(id(allocator), bucket_id)] = (nbytes, kind)
+        total = sum(n for n, _ in self.live.values())
+        if self.counting and total > self.peak:
+            self.peak, self.at_peak = total, {"weights": 0, "grads": 0}
+            for n, k in self.live.values():
+                self.at_peak[k] += n
+
+    def freed(self, allocator, bucket_id) -> None:
+        self.live.pop((id(allocator), bucket_id), None)
+
+
+def _observe_fsdp_buckets(training) -> None:
+    from megatron.core.distributed.distributed_data_parallel_config import (
+        DistributedDataParallelConfig)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+
+    if os.environ.get("FSDP_COMMUNICATION_UNIT"):
+        post_init = DistributedDataParallelConfig.__post_init__
+
+        @functools.wraps(post_init)
+        def with_communication_unit(self):
+            post_init(self)
+            self.suggested_communication_unit_size = int(os.environ["FSDP_COMMUNICATION_UNIT"])
+
+        DistributedDataParallelConfig.__post_init__ = with_communication_unit
+
+    live = _LiveBuckets()
+    # (the weights' allocator is the StorageResizeBased subclass; each gradient buffer has its
+    # own plain TemporaryBucketAllocator)
+    for cls, kind in ((param_and_grad_buffer.TemporaryBucketAllocator, "grads"),
+                      (param_and_grad_buffer.StorageResizeBasedBucketAllocator, "weights")):
+        def allocate(self, bucket_id, size, dtype, *args, own=cls.allocate, kind=kind, **kwargs):
+            bucket = own(self, bucket_id, size, dtype, *args, **kwargs)
+            live.allocated(self, bucket_id, size * dtype.itemsize, kind)
+            return bucket
+
+        def free(self, bucket_id, own=cls.free):
+            own(self, bucket_id)
+            live.freed(self, bucket_id)
+
+        cls.allocate, cls.free = allocate, free
+
+    step = training.train_step
+
+    @functools.wraps(step)
+    def train_step(*args, **kwargs):
+        path = os.path.join(os.environ["FSDP_BUCKET_DIR"],
+                            f"fsdp_buckets_rank{torch.distributed.get_rank()}.json")
+        if os.path.exists(path):
+            return step(*args, **kwargs)
+        live.counting = True
+        result = step(*args, **kwargs)
+        live.counting = False
+        with open(path, "w") as out:
+            json.dump({"peak": live.peak, **live.at_peak}, out)
+        return result
+
+    training.train_step = train_step
+
+
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         from moe_launcher import cpu_backend
@@ -529,6 +606,8 @@ if __name__ == "__main__":
         _observe_router_counts(training)
     if os.environ.get("ACTIVATION_DIR"):
         _observe_activations(training)
+    if os.environ.get("FSDP_BUCKET_DIR"):
+        _observe_fsdp_buckets(training)
     if os.environ.get("CHUNK_DIR"):
         from megatron.training import checkpointing
 

@@ -9,8 +9,9 @@ run), checks the layout arithmetic against the world size (the per-stage layer s
 moe_launcher.model.layer_layout) and runs the launcher's other checks of the flags (not those of
 files and packages: the dry run may run on another machine), runs megatron's validate_args and
 TransformerConfig checks on a simulated H100, and prints the layout, the per-GPU parameter +
-optimizer memory estimate, the activations (moe_launcher.activation_memory; a warning where the
-busiest GPU would not hold them) and the model FLOPs
+optimizer memory estimate, Megatron-FSDP's communication buffers (moe_launcher.fsdp_buffers), the
+activations (moe_launcher.activation_memory; a warning where the busiest GPU would not hold
+them) and the model FLOPs
 (megatron_patches.accounting.flops_from_layer_census, the same numbers the training log
 prints). Nothing is trained, no process group is created. Exits 1 (and names the flag and the
 fix) when the layout cannot run, 2 when the flags do not parse.
@@ -52,7 +53,7 @@ class PlanError(PreflightError):
 
 from megatron_patches.accounting.flops_from_layer_census import ModelShape, flops_per_batch  # noqa: E402
 from moe_launcher.model.layer_layout import LayerCensus, expected_moe_layers  # noqa: E402
-from moe_launcher import megatron_validation, optimizer_state  # noqa: E402
+from moe_launcher import fsdp_buffers, megatron_validation, optimizer_state  # noqa: E402
 from moe_launcher.platform_defaults import (  # noqa: E402
     set_environment_defaults, with_logging_defaults, with_platform_defaults)
 
@@ -315,6 +316,43 @@ def stage_memories(args, c: Counts, layout: Layout) -> list[Memory]:
     return stages
 
 
+def fsdp_units(args, c: Counts, layout: Layout) -> tuple[list[fsdp_buffers.FsdpUnit], int]:
+    """Megatron-FSDP's units (each transformer layer, the MTP layers' last) on one GPU before
+    sharding, and the elements outside them that it gathers (embedding, output layer, final
+    norm, each MTP layer's input norms, projection and final norm). Megatron-FSDP runs without a
+    pipeline."""
+    tp, experts = layout.tp, args.num_experts or 0
+    dense_sharded, expert_sharded = layout.dp * layout.cp > 1, layout.edp > 1
+
+    def unit(moe: bool) -> fsdp_buffers.FsdpUnit:
+        if not moe:
+            return fsdp_buffers.FsdpUnit((fsdp_buffers.BucketGroup(
+                (c.attention + c.dense_mlp) // tp + c.norms, dense_sharded),))
+        non_expert = (c.attention + c.shared) // tp + c.norms + c.router  # the router whole
+        return fsdp_buffers.FsdpUnit((
+            fsdp_buffers.BucketGroup(non_expert, dense_sharded),
+            fsdp_buffers.BucketGroup(experts * c.expert // (layout.ep * layout.etp),
+                                     expert_sharded)))
+
+    mtp = args.mtp_num_layers or 0
+    units = [unit(bool(moe)) for moe in layout.moe_pattern] + [unit(mtp_layer_is_moe(layout))] * mtp
+    kept = (c.embedding + c.output) // tp + c.final_norm + mtp * (
+        3 * c.final_norm + 2 * args.hidden_size ** 2 // tp)
+    return units, kept if dense_sharded else 0
+
+
+def fsdp_buffers_per_gpu(args, c: Counts, layout: Layout,
+                         unit_size: int | None = None) -> fsdp_buffers.FsdpBuffers | None:
+    """Megatron-FSDP's gathered weights and unsharded gradients at their peak
+    (moe_launcher.fsdp_buffers), for optim_grads_params; None otherwise."""
+    if not args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "optim_grads_params":
+        return None
+    low = 2 if (args.bf16 or args.fp16) else 4
+    grad = {"fp32": 4, "bf16": 2, "fp16": 2}.get(args.megatron_fsdp_main_grads_dtype, low)
+    units, kept = fsdp_units(args, c, layout)
+    return fsdp_buffers.peak_buffers(units, kept, low, grad, unit_size)
+
+
 def flops_per_iteration(args, config, layout: Layout) -> int:
     """Model FLOPs of one global batch, computed by megatron_patches.accounting.flops_from_layer_census exactly as the
     training log's `FLOPs per iteration:` line, on the layer census the flags ask for."""
@@ -341,9 +379,11 @@ def recompute_said(args) -> str:
     return "no recompute"
 
 
-def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> float:
+def activations_per_gpu(args, config, layout: Layout, states: list[Memory],
+                        buffers: float = 0.0) -> float:
     """Prints the activation estimate (moe_launcher.activation_memory) and the busiest GPU's
-    total (its stage's parameters and optimizer, and its activations); returns that total."""
+    total (its stage's parameters and optimizer, its activations and `buffers`, Megatron-FSDP's
+    communication buffers); returns that total."""
     from moe_launcher import activation_memory
 
     microbatches = args.global_batch_size // (args.micro_batch_size * layout.dp)
@@ -366,8 +406,9 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> f
           f"micro-batch{'es' if peak.micro_batches > 1 else ''} in flight "
           f"{size(peak.in_flight)}" + (f" + the larger of {' and '.join(then)}" if len(then) > 1
                                        else "".join(f" + {t}" for t in then))
-          + f" + parameters and optimizer {size(state.total)} = "
-          f"{size(state.total + peak.total)}")
+          + f" + parameters and optimizer {size(state.total)}"
+          + (f" + Megatron-FSDP buffers {size(buffers)}" if buffers else "")
+          + f" = {size(state.total + peak.total + buffers)}")
     if args.fp8 or args.fp4:
         print("[plan] activations: FP8/FP4 activations not modelled (counted in the activation "
               "dtype: an over-estimate)")
@@ -375,7 +416,7 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory]) -> f
     if not_modelled:
         print(f"[plan] activations: --recompute-modules {' '.join(not_modelled)} not modelled "
               f"(counted as kept)")
-    return state.total + peak.total
+    return state.total + peak.total + buffers
 
 
 def human(n: float) -> str:
@@ -455,7 +496,17 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
     print(f"[plan] per-GPU memory ({kind}): weights {size(mem.weights)} + grads "
           f"{size(mem.grads)} + optimizer {size(mem.optimizer)} = {size(mem.total)} of "
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
-    with_activations = activations_per_gpu(validated, config, layout, stages)
+    buffers = fsdp_buffers_per_gpu(args, counts, layout)
+    if buffers is not None:
+        print(f"[plan] Megatron-FSDP buffers (moe_launcher.fsdp_buffers, megatron's communication "
+              f"unit of {human(buffers.communication_unit)} elements): gathered weights "
+              f"{size(buffers.weights)} + unsharded gradients {size(buffers.grads)} = "
+              f"{size(buffers.total)} at their peak")
+    elif args.use_megatron_fsdp:
+        print(f"[plan] Megatron-FSDP buffers: not modelled for "
+              f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}")
+    with_activations = activations_per_gpu(validated, config, layout, stages,
+                                           buffers.total if buffers else 0.0)
     if mem.optimizer_not_modelled:
         print(f"[plan] optimizer memory: {mem.optimizer_not_modelled} is not modelled; priced "
               f"as fp32 Adam moments")

@@ -220,9 +220,25 @@ def test_dry_run_warns_when_activations_outgrow_the_gpu(monkeypatch):
     assert "--recompute-granularity full" in out and "dry run OK" in out
 
 
+def test_dry_run_adds_megatrons_fsdp_buffers_to_the_busiest_gpu(monkeypatch):
+    """deepseek_v3_fsdp's layers hold ~1.6B elements a GPU: megatron's communication unit is
+    twice that, so Megatron-FSDP's gather window holds one more layer and its reduce-scatter
+    queue two, beside the embedding and output layer it keeps gathered (moe_launcher.fsdp_buffers,
+    judged in test_fsdp_buffers_cpu.py): the busiest GPU's figure takes them in and names them."""
+    rc, out, err = dry_run("deepseek_v3_fsdp", monkeypatch)
+    line = re.search(r"\[plan\] Megatron-FSDP buffers \(moe_launcher.fsdp_buffers, megatron's "
+                     r"communication unit of 3.18B elements\): gathered weights ([0-9.]+) GiB \+ "
+                     r"unsharded gradients ([0-9.]+) GiB = ([0-9.]+) GiB at their peak", out)
+    busiest = re.search(r"\[plan\] busiest GPU .* \+ Megatron-FSDP buffers ([0-9.]+) GiB = "
+                        r"([0-9.]+) GiB", out)
+    assert rc == 0 and line and busiest, out + err
+    assert line.group(3) == busiest.group(1) and float(line.group(3)) > 10, out
+    assert float(busiest.group(2)) < 80 and "WARNING" not in out, out
+
+
 def test_dry_run_checks_against_the_gpu_memory_it_is_given():
     """GPU_MEMORY_GIB sizes train.sh's dry run for other GPUs: glm45_air_fsdp without its MoE
-    recompute (85 GiB) warns on an 80 GB H100 (the default) and fits an H200's 141 GiB."""
+    recompute (94 GiB) warns on an 80 GB H100 (the default) and fits an H200's 141 GiB."""
     extra = ["--dry-run", "--recompute-modules", "core_attn"]
     on_h100 = train_sh(*extra, RECIPE="glm45_air_fsdp")
     on_h200 = train_sh(*extra, RECIPE="glm45_air_fsdp", GPU_MEMORY_GIB="141")

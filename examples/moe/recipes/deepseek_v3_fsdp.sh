@@ -6,7 +6,9 @@
 # (full, uniform, one layer a block): without a pipeline one GPU keeps the activations of all 61
 # layers and the MTP module (2.2 GiB a MoE layer at 4096 tokens with the ETP2 gather, 134 GiB in
 # all, 160 GiB a GPU: the dry run's count without recompute); recomputed, only each layer's
-# input (56 MiB) is kept: 29.4 GiB a GPU.
+# input (56 MiB) is kept: 51.8 GiB a GPU, 22.3 of them Megatron-FSDP's gathered layers and
+# unsharded gradients (megatron's communication unit, twice a layer's 1.6B elements a GPU, sets
+# its gather window and reduce-scatter queue; the embedding and output layer stay gathered).
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"
 # shellcheck source=/dev/null

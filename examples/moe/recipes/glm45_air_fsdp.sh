@@ -3,7 +3,8 @@
 # TP1 PP1, DP64 for the dense part (optim_grads_params); experts EP4 x ETP2 (one node),
 # expert-DP 8 across nodes. The MoE part of each layer recomputed in the backward (selective,
 # moe): its 46 layers keep 52.5 GiB of activations a micro-batch otherwise (the dry run's
-# estimate; the ETP2 gather doubles the experts' tokens), 85 GiB a GPU in all; 48 GiB with it.
+# estimate; the ETP2 gather doubles the experts' tokens), 94 GiB a GPU in all (9.3 GiB of them
+# Megatron-FSDP's buffers); 58 GiB with it.
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_glm45_air.sh"
 # shellcheck source=/dev/null

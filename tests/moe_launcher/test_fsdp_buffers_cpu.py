@@ -1,0 +1,66 @@
+"""Megatron-FSDP's communication buffers as the dry run prices them (moe_launcher/fsdp_buffers.py,
+examples/moe/plan.py) against megatron's own bucket allocators in a real run: the most bytes of
+gathered weights and unsharded gradients alive at once through the first step
+(tests/_observed_launch.py's $FSDP_BUCKET_DIR), each kind's share at that moment too.
+
+megatron's default communication unit is at least 10^9 elements, far beyond a CPU model, whose
+units then all fit its windows; the runs that set a smaller one ($FSDP_COMMUNICATION_UNIT: a
+DDP-config field, not a flag) make the windows bind as they do for a real model's layers (the
+gather window prefetches two of the four layers, the reduce-scatter queue frees the oldest)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+
+from _launch import REPO, TINY_MODEL, launch
+
+sys.path.insert(0, str(REPO / "examples" / "moe"))
+import plan  # noqa: E402  (examples/moe/plan.py)
+
+FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor",
+        "--data-parallel-sharding-strategy", "optim_grads_params", "--train-iters", "1"]
+FOUR_LAYERS = ["--num-layers", "4"]
+RUNS = {  # flags, communication unit (None: megatron's default)
+    "windows-hold-the-model": ([], None),
+    "four-layers-windows-bind": (FOUR_LAYERS, 250_000),
+    "dense-first-layer-mtp-ep2": ([*FOUR_LAYERS, "--moe-layer-freq", "[0,1,1,1]",
+                                   "--mtp-num-layers", "1", "--expert-model-parallel-size", "2"],
+                                  120_000),
+    "fp32-main-grads": ([*FOUR_LAYERS, "--megatron-fsdp-main-grads-dtype", "fp32"], 250_000),
+    "shared-expert-fp32-main-grads": ([*FOUR_LAYERS, "--moe-shared-expert-intermediate-size",
+                                       "64", "--megatron-fsdp-main-grads-dtype", "fp32"],
+                                      250_000),
+}
+
+
+def planned(flags: list[str], unit: int | None):
+    flags, _ = plan.launcher_view(flags)
+    with contextlib.redirect_stdout(io.StringIO()):
+        args = plan.parse_megatron_flags(flags, 2)
+    return plan.fsdp_buffers_per_gpu(args, plan.count_parameters(args), plan.check_layout(args),
+                                     unit)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_fsdp_buffers_are_megatrons(run, tmp_path):
+    extra, unit = RUNS[run]
+    flags = [*TINY_MODEL, *FSDP, *extra]
+    env = {"FSDP_BUCKET_DIR": str(tmp_path)}
+    if unit:
+        env["FSDP_COMMUNICATION_UNIT"] = str(unit)
+    launch(2, flags, env=env, script=REPO / "tests" / "_observed_launch.py", timeout=300).check()
+    measured = [json.loads((tmp_path / f"fsdp_buckets_rank{rank}.json").read_text())
+                for rank in range(2)]
+    figure = planned(flags, unit)
+    assert figure.communication_unit == (unit or 1_000_000_000)
+    # megatron pads each bucket to a multiple of the DP size (a few elements here)
+    for rank in measured:
+        assert rank["peak"] == rank["weights"] + rank["grads"]
+        assert rank["weights"] == pytest.approx(figure.weights, rel=2e-3), (rank, figure)
+        assert rank["grads"] == pytest.approx(figure.grads, rel=2e-3), (rank, figure)
+
