@@ -6,7 +6,9 @@ gathered weights and unsharded gradients alive at once through the first step
 megatron's default communication unit is at least 10^9 elements, far beyond a CPU model, whose
 units then all fit its windows; the runs that set a smaller one ($FSDP_COMMUNICATION_UNIT: a
 DDP-config field, not a flag) make the windows bind as they do for a real model's layers (the
-gather window prefetches two of the four layers, the reduce-scatter queue frees the oldest)."""
+gather window prefetches two of the four layers, the reduce-scatter queue frees the oldest):
+with a dense first layer, an MTP layer and experts kept whole (expert-DP 1), a shared expert,
+fp32 main gradients, full recompute, and TP2 + SP with expert-DP 2 on 4 ranks."""
 
 from __future__ import annotations
 
@@ -32,16 +34,23 @@ RUNS = {  # flags, communication unit (None: megatron's default)
                                    "--mtp-num-layers", "1", "--expert-model-parallel-size", "2"],
                                   120_000),
     "fp32-main-grads": ([*FOUR_LAYERS, "--megatron-fsdp-main-grads-dtype", "fp32"], 250_000),
+    "full-recompute": ([*FOUR_LAYERS, "--recompute-granularity", "full", "--recompute-method",
+                        "uniform", "--recompute-num-layers", "1"], 250_000),
     "shared-expert-fp32-main-grads": ([*FOUR_LAYERS, "--moe-shared-expert-intermediate-size",
                                        "64", "--megatron-fsdp-main-grads-dtype", "fp32"],
                                       250_000),
+    # 4 ranks: DP2 for the dense part, expert-DP 2
+    "tp2-sp-ep2": ([*FOUR_LAYERS, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+                  100_000),
 }
+RANKS = {"tp2-sp-ep2": 4}
 
 
-def planned(flags: list[str], unit: int | None):
+def planned(flags: list[str], unit: int | None, ranks: int):
     flags, _ = plan.launcher_view(flags)
     with contextlib.redirect_stdout(io.StringIO()):
-        args = plan.parse_megatron_flags(flags, 2)
+        args = plan.parse_megatron_flags(flags, ranks)
     return plan.fsdp_buffers_per_gpu(args, plan.count_parameters(args), plan.check_layout(args),
                                      unit)
 
@@ -53,10 +62,12 @@ def test_fsdp_buffers_are_megatrons(run, tmp_path):
     env = {"FSDP_BUCKET_DIR": str(tmp_path)}
     if unit:
         env["FSDP_COMMUNICATION_UNIT"] = str(unit)
-    launch(2, flags, env=env, script=REPO / "tests" / "_observed_launch.py", timeout=300).check()
+    ranks = RANKS.get(run, 2)
+    launch(ranks, flags, env=env, script=REPO / "tests" / "_observed_launch.py",
+           timeout=300).check()
     measured = [json.loads((tmp_path / f"fsdp_buckets_rank{rank}.json").read_text())
-                for rank in range(2)]
-    figure = planned(flags, unit)
+                for rank in range(ranks)]
+    figure = planned(flags, unit, ranks)
     assert figure.communication_unit == (unit or 1_000_000_000)
     # megatron pads each bucket to a multiple of the DP size (a few elements here)
     for rank in measured:
