@@ -344,8 +344,10 @@ def fsdp_units(args, c: Counts, layout: Layout) -> tuple[list[fsdp_buffers.FsdpU
 def fsdp_buffers_per_gpu(args, c: Counts, layout: Layout,
                          unit_size: int | None = None) -> fsdp_buffers.FsdpBuffers | None:
     """Megatron-FSDP's gathered weights and unsharded gradients at their peak
-    (moe_launcher.fsdp_buffers), for optim_grads_params; None otherwise."""
-    if not args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "optim_grads_params":
+    (moe_launcher.fsdp_buffers), for optim_grads_params without --fsdp-double-buffer (whose
+    fixed pools megatron sizes otherwise); None otherwise."""
+    if (not args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "optim_grads_params"
+            or args.fsdp_double_buffer):
         return None
     low = 2 if (args.bf16 or args.fp16) else 4
     grad = {"fp32": 4, "bf16": 2, "fp16": 2}.get(args.megatron_fsdp_main_grads_dtype, low)
@@ -503,8 +505,9 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
               f"{size(buffers.weights)} + unsharded gradients {size(buffers.grads)} = "
               f"{size(buffers.total)} at their peak")
     elif args.use_megatron_fsdp:
-        print(f"[plan] Megatron-FSDP buffers: not modelled for "
-              f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}")
+        setting = ("--fsdp-double-buffer" if args.fsdp_double_buffer else
+                   f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy}")
+        print(f"[plan] Megatron-FSDP buffers: not modelled for {setting} (not counted)")
     with_activations = activations_per_gpu(validated, config, layout, stages,
                                            buffers.total if buffers else 0.0)
     if mem.optimizer_not_modelled:

@@ -234,6 +234,10 @@ def test_dry_run_adds_megatrons_fsdp_buffers_to_the_busiest_gpu(monkeypatch):
     assert rc == 0 and line and busiest, out + err
     assert line.group(3) == busiest.group(1) and float(line.group(3)) > 10, out
     assert float(busiest.group(2)) < 80 and "WARNING" not in out, out
+    # megatron sizes its double buffer's fixed pools another way: said, not priced
+    rc, out, err = dry_run("deepseek_v3_fsdp", monkeypatch, extra=["--fsdp-double-buffer"])
+    assert rc == 0 and "[plan] Megatron-FSDP buffers: not modelled for --fsdp-double-buffer " \
+                       "(not counted)" in out and "+ Megatron-FSDP buffers" not in out, out + err
 
 
 def test_dry_run_checks_against_the_gpu_memory_it_is_given():
