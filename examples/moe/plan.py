@@ -317,8 +317,8 @@ def stage_memories(args, c: Counts, layout: Layout) -> list[Memory]:
 
 
 def fsdp_units(args, c: Counts, layout: Layout) -> tuple[list[fsdp_buffers.FsdpUnit], int]:
-    """Megatron-FSDP's units (each transformer layer, the MTP layers' last) on one GPU before
-    sharding, and the elements outside them that it gathers (embedding, output layer, final
+    """Megatron-FSDP's units (each decoder layer, then each MTP layer's transformer layer) on one
+    GPU before sharding, and the elements outside them that it gathers (embedding, output layer, final
     norm, each MTP layer's input norms, projection and final norm). Megatron-FSDP runs without a
     pipeline."""
     tp, experts = layout.tp, args.num_experts or 0
