@@ -20,7 +20,9 @@ megatron's own load-balancing losses are computed from the routing before the dr
 The fix, at megatron's call sites in `TopKRouter.routing`: the router module's
 `apply_router_token_dropping` returns its map carrying the map it was given (the routing
 decision) and `_apply_expert_bias` counts that one (megatron's own function, so its padding-mask
-and no-grad rules still apply). Nothing changes without a capacity factor. Targets 0.19.x.
+and no-grad rules still apply). Nothing changes without a capacity factor. Applied after
+`moe-token-drop-by-position`, so that its wrapper of the drop is the outer one and keeps the
+boolean map. Targets 0.19.x.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import types
 
 import torch
 
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 
 NAME = "expert-bias-counts-routed-tokens"
 _ROUTED = "_routed_before_capacity"  # attribute of the dropped map: the map before the drop
@@ -70,7 +72,7 @@ def _counting_the_routed_map(apply_expert_bias):
 
 def _apply() -> None:
     module = _router_module()
-    if getattr(module.apply_router_token_dropping, "__wrapped_by__", None) == NAME:
+    if wrapped_by(module.apply_router_token_dropping, NAME):
         return
     module.apply_router_token_dropping = _keeping_the_routed_map(
         module.apply_router_token_dropping)
