@@ -34,8 +34,9 @@ when its environment variable names a directory:
   its expert-bias token counter, the routing decisions its forwards made, counted here
   (routing_map summed, for forwards with gradients, as megatron counts), and the experts its
   routers chose (DeepSeek's loss-free balancing's count: each token's top-k by sigmoid score +
-  expert bias, from the logits megatron's gating computed; no expert groups), to
-  router_counts_rank{R}.json;
+  expert bias, from the logits megatron's gating computed; no expert groups) and whether, in
+  every such forward, the chosen tokens each expert kept were its first chosen ones (what
+  `--moe-token-drop-policy position` documents), to router_counts_rank{R}.json;
 * $CHUNK_DIR: around each call of megatron's `preprocess_fsdp_dtensor_state_dict` (an
   fsdp_dtensor save or load; the patches' wrappers of it outside this one), each rank counts the
   torch.distributed collectives the call runs, then, for every DTensor of the state dict it
@@ -316,6 +317,7 @@ def _observe_router_counts(training) -> None:
             top = torch.topk(scores + self.expert_bias, self.topk, dim=-1).indices
             self.observed_chosen = getattr(self, "observed_chosen", 0) + \
                 torch.bincount(top.flatten(), minlength=logits.shape[-1])
+            self.last_chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
         return logits
 
     @functools.wraps(forward)
@@ -324,6 +326,12 @@ def _observe_router_counts(training) -> None:
         if torch.is_grad_enabled():
             self.observed_routed = getattr(self, "observed_routed", 0) + \
                 routing_map.sum(dim=0).to(torch.int64)
+            if getattr(self, "last_chosen", None) is not None:
+                chosen = self.last_chosen
+                kept = routing_map.bool() & chosen  # (a padded map holds padding too)
+                first = chosen & (chosen.to(torch.int64).cumsum(dim=0) <= kept.sum(dim=0))
+                self.kept_first_chosen = getattr(self, "kept_first_chosen", True) and \
+                    torch.equal(kept, first)
         return probs, routing_map
 
     @functools.wraps(finalize)
@@ -337,7 +345,8 @@ def _observe_router_counts(training) -> None:
                 json.dump([{"dtype": str(router.local_tokens_per_expert.dtype),
                             "counts": router.local_tokens_per_expert.tolist(),
                             "routed": router.observed_routed.tolist(),
-                            "chosen": getattr(router, "observed_chosen", torch.zeros(0)).tolist()}
+                            "chosen": getattr(router, "observed_chosen", torch.zeros(0)).tolist(),
+                            "kept_first_chosen": getattr(router, "kept_first_chosen", None)}
                            for router in routers], f)
         return finalize(model, *args, **kwargs)
 

@@ -4,7 +4,10 @@ training forward of a megatron GPT with a capacity factor, dropping and padded t
 the reference is each expert's first `capacity` tokens among those the router chose (each
 token's top-k of the logits its gating computed, counted here). With the patch left out
 (megatron-core 0.19.2's own apply_router_token_dropping) the kept tokens are whichever torch's
-top-k picks among equal scores: not the first ones."""
+top-k picks among equal scores: not the first ones. A launched run shows the same both ways,
+the patch left out with MEGATRON_PATCHES_DISABLE."""
+
+import json
 
 import pytest
 import torch
@@ -63,3 +66,32 @@ def test_position_policy_drops_the_last_tokens(padded, patched, monkeypatch):
             assert torch.equal(real, expected), f"layer {layer}: not the first routed tokens"
         else:
             assert not torch.equal(real, expected), f"layer {layer}: megatron kept the first"
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_launched_run_drops_the_last_tokens(patched, tmp_path):
+    """pretrain_moe.py with the position policy, capacity factor 0.5 (a sigmoid router with
+    expert bias, whose choice tests/_observed_launch.py recounts from the router's logits): in
+    every training forward each expert keeps its first chosen tokens; with the patch left out
+    (MEGATRON_PATCHES_DISABLE) it keeps others."""
+    from _launch import REPO, TINY_MODEL, launch
+
+    args = [*TINY_MODEL, "--train-iters", "1",
+            "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid",
+            "--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "0",
+            "--moe-expert-capacity-factor", "0.5", "--moe-token-drop-policy", "position"]
+    env = {"ROUTER_COUNT_DIR": str(tmp_path)}
+    if not patched:
+        env["MEGATRON_PATCHES_DISABLE"] = "moe-token-drop-by-position"
+    run = launch(1, args, env=env, script=REPO / "tests" / "_observed_launch.py",
+                 timeout=300).check()
+    said = ("moe-token-drop-by-position: applied" if patched else
+            "moe-token-drop-by-position: skipped (disabled by MEGATRON_PATCHES")
+    assert said in run.log, run.log[-3000:]
+    routers = json.loads((tmp_path / "router_counts_rank0.json").read_text())
+    assert len(routers) == 2 and all(r["routed"] != r["chosen"] for r in routers), routers
+    kept_first = [router["kept_first_chosen"] for router in routers]
+    if patched:
+        assert kept_first == [True, True], routers
+    else:
+        assert False in kept_first, routers
