@@ -251,18 +251,27 @@ def busiest(stages: list[Memory]) -> Memory:
     return max(stages, key=lambda memory: memory.total)
 
 
+def weight_bytes(args) -> int:
+    return 2 if (args.bf16 or args.fp16) else 4
+
+
+def fsdp_grad_bytes(args) -> int:
+    """Megatron-FSDP keeps gradients in --megatron-fsdp-main-grads-dtype, whose default ('auto')
+    is the parameters' dtype."""
+    return {"fp32": 4, "bf16": 2, "fp16": 2}.get(args.megatron_fsdp_main_grads_dtype,
+                                                weight_bytes(args))
+
+
 def stage_memories(args, c: Counts, layout: Layout) -> list[Memory]:
     """Parameter + gradient + optimizer bytes of a GPU of each pipeline stage."""
     stage_sizes = layout.stages if layout.stages[0] >= 0 else [
         args.num_layers // layout.pp] * layout.pp
-    low = 2 if (args.bf16 or args.fp16) else 4
+    low = weight_bytes(args)
     grad = 4  # megatron's fp32 main grads
     optimizer = optimizer_state.state_bytes(args)  # fp32 main copy + the optimizer's state
     dense_shard = layout.dp * layout.cp
     if args.use_megatron_fsdp:
-        # Megatron-FSDP keeps gradients in --megatron-fsdp-main-grads-dtype, whose default
-        # ('auto') is the parameters' dtype.
-        grad = {"fp32": 4, "bf16": 2, "fp16": 2}.get(args.megatron_fsdp_main_grads_dtype, low)
+        grad = fsdp_grad_bytes(args)
         strategy = args.data_parallel_sharding_strategy
         shard_w = strategy == "optim_grads_params"
         shard_g = strategy in ("optim_grads_params", "optim_grads")
@@ -349,10 +358,9 @@ def fsdp_buffers_per_gpu(args, c: Counts, layout: Layout,
     if (not args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "optim_grads_params"
             or args.fsdp_double_buffer):
         return None
-    low = 2 if (args.bf16 or args.fp16) else 4
-    grad = {"fp32": 4, "bf16": 2, "fp16": 2}.get(args.megatron_fsdp_main_grads_dtype, low)
     units, kept = fsdp_units(args, c, layout)
-    return fsdp_buffers.peak_buffers(units, kept, low, grad, unit_size)
+    return fsdp_buffers.peak_buffers(units, kept, weight_bytes(args), fsdp_grad_bytes(args),
+                                     unit_size)
 
 
 def flops_per_iteration(args, config, layout: Layout) -> int:
