@@ -16,10 +16,11 @@ A unit's weights are in one bucket group for its non-expert and one for its expe
   than the communication unit; the gradients outside the units (embedding, output layer) are
   allocated at the start of the backward and kept to its end.
 
-The communication unit is megatron's default: twice the mean unit, at least 10^9 elements (not
-a command-line flag in 0.19.2), so a model's gather window is at least 0.5 and its
-reduce-scatter queue 1 billion elements whatever its size. Judged against megatron's own
-bucket allocators in a real CPU run (tests/moe_launcher/test_fsdp_buffers_cpu.py).
+The communication unit is `--suggested-communication-unit-size` (elements) where it is given;
+megatron's default is twice the mean unit and at least 10^9 elements, so without the flag a
+model's gather window is at least 0.5 and its reduce-scatter queue 1 billion elements whatever
+its size. Judged against megatron's own bucket allocators in real CPU runs
+(tests/moe_launcher/test_fsdp_buffers_cpu.py).
 """
 
 from __future__ import annotations

@@ -61,9 +61,7 @@ when its environment variable names a directory:
   StorageResizeBasedBucketAllocator; unsharded gradients: the gradient buffers'
   TemporaryBucketAllocators), each from megatron's allocation of it to megatron's free, and
   writes fsdp_buckets_rank{R}.json: {"peak": the most bytes alive at once, "weights", "grads":
-  the two kinds' bytes at that moment}. $FSDP_COMMUNICATION_UNIT, where set, is the
-  communication unit (elements) megatron's DDP config gets in place of its default (not a
-  command-line flag), so that a tiny model's units outgrow its windows as a real model's do.
+  the two kinds' bytes at that moment}.
 """
 
 import collections
@@ -548,19 +546,7 @@ class _LiveBuckets:
 
 
 def _observe_fsdp_buckets(training) -> None:
-    from megatron.core.distributed.distributed_data_parallel_config import (
-        DistributedDataParallelConfig)
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
-
-    if os.environ.get("FSDP_COMMUNICATION_UNIT"):
-        post_init = DistributedDataParallelConfig.__post_init__
-
-        @functools.wraps(post_init)
-        def with_communication_unit(self):
-            post_init(self)
-            self.suggested_communication_unit_size = int(os.environ["FSDP_COMMUNICATION_UNIT"])
-
-        DistributedDataParallelConfig.__post_init__ = with_communication_unit
 
     live = _LiveBuckets()
     # (the weights' allocator is the StorageResizeBased subclass; each gradient buffer has its

@@ -350,17 +350,17 @@ def fsdp_units(args, c: Counts, layout: Layout) -> tuple[list[fsdp_buffers.FsdpU
     return units, kept if dense_sharded else 0
 
 
-def fsdp_buffers_per_gpu(args, c: Counts, layout: Layout,
-                         unit_size: int | None = None) -> fsdp_buffers.FsdpBuffers | None:
+def fsdp_buffers_per_gpu(args, c: Counts, layout: Layout) -> fsdp_buffers.FsdpBuffers | None:
     """Megatron-FSDP's gathered weights and unsharded gradients at their peak
-    (moe_launcher.fsdp_buffers), for optim_grads_params without --fsdp-double-buffer (whose
-    fixed pools megatron sizes otherwise); None otherwise."""
+    (moe_launcher.fsdp_buffers) with the run's --suggested-communication-unit-size (megatron's
+    default without it), for optim_grads_params without --fsdp-double-buffer (whose fixed pools
+    megatron sizes otherwise); None otherwise."""
     if (not args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "optim_grads_params"
             or args.fsdp_double_buffer):
         return None
     units, kept = fsdp_units(args, c, layout)
     return fsdp_buffers.peak_buffers(units, kept, weight_bytes(args), fsdp_grad_bytes(args),
-                                     unit_size)
+                                     args.suggested_communication_unit_size)
 
 
 def flops_per_iteration(args, config, layout: Layout) -> int:
@@ -508,8 +508,10 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
           f"{gpu_memory_gib:g} GiB (activations and communication buffers not included)")
     buffers = fsdp_buffers_per_gpu(args, counts, layout)
     if buffers is not None:
-        print(f"[plan] Megatron-FSDP buffers (moe_launcher.fsdp_buffers, megatron's communication "
-              f"unit of {human(buffers.communication_unit)} elements): gathered weights "
+        unit = ("--suggested-communication-unit-size" if args.suggested_communication_unit_size
+                is not None else "megatron's default communication unit")
+        print(f"[plan] Megatron-FSDP buffers (moe_launcher.fsdp_buffers, {unit} of "
+              f"{human(buffers.communication_unit)} elements): gathered weights "
               f"{size(buffers.weights)} + unsharded gradients {size(buffers.grads)} = "
               f"{size(buffers.total)} at their peak")
     elif args.use_megatron_fsdp:
@@ -534,7 +536,10 @@ def plan(flags: list[str], world_size: int, gpu_memory_gib: float = 80.0,
               f"{with_activations / GIB:.1f} GiB, "
               f"more than {gpu_memory_gib:g} GiB (an estimate: not refused); fix: "
               f"--recompute-granularity full --recompute-method uniform --recompute-num-layers "
-              f"1 (or selective, --recompute-modules moe), or a smaller --micro-batch-size")
+              f"1 (or selective, --recompute-modules moe), or a smaller --micro-batch-size"
+              + (f", or a smaller --suggested-communication-unit-size (Megatron-FSDP's "
+                 f"buffers {size(buffers.total)} at a unit of "
+                 f"{human(buffers.communication_unit)} elements)" if buffers else ""))
     print("[plan] dry run OK: nothing was started")
     return 0
 

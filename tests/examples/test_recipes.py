@@ -224,16 +224,29 @@ def test_dry_run_adds_megatrons_fsdp_buffers_to_the_busiest_gpu(monkeypatch):
     """deepseek_v3_fsdp's layers hold ~1.6B elements a GPU: megatron's communication unit is
     twice that, so Megatron-FSDP's gather window holds one more layer and its reduce-scatter
     queue two, beside the embedding and output layer it keeps gathered (moe_launcher.fsdp_buffers,
-    judged in test_fsdp_buffers_cpu.py): the busiest GPU's figure takes them in and names them."""
+    judged in test_fsdp_buffers_cpu.py): the busiest GPU's figure takes them in and names them.
+    --suggested-communication-unit-size sets the unit (megatron reads it into its DDP config):
+    one layer's window, the same figure the dry run then prints."""
+    def figures(out: str, unit: str):
+        line = re.search(r"\[plan\] Megatron-FSDP buffers \(moe_launcher.fsdp_buffers, "
+                         + re.escape(unit) + r" elements\): gathered weights ([0-9.]+) GiB \+ "
+                         r"unsharded gradients ([0-9.]+) GiB = ([0-9.]+) GiB at their peak", out)
+        busiest = re.search(r"\[plan\] busiest GPU .* \+ Megatron-FSDP buffers ([0-9.]+) GiB = "
+                            r"([0-9.]+) GiB", out)
+        assert line and busiest, out
+        assert line.group(3) == busiest.group(1), out
+        return float(line.group(3)), float(busiest.group(2))
+
     rc, out, err = dry_run("deepseek_v3_fsdp", monkeypatch)
-    line = re.search(r"\[plan\] Megatron-FSDP buffers \(moe_launcher.fsdp_buffers, megatron's "
-                     r"communication unit of 3.18B elements\): gathered weights ([0-9.]+) GiB \+ "
-                     r"unsharded gradients ([0-9.]+) GiB = ([0-9.]+) GiB at their peak", out)
-    busiest = re.search(r"\[plan\] busiest GPU .* \+ Megatron-FSDP buffers ([0-9.]+) GiB = "
-                        r"([0-9.]+) GiB", out)
-    assert rc == 0 and line and busiest, out + err
-    assert line.group(3) == busiest.group(1) and float(line.group(3)) > 10, out
-    assert float(busiest.group(2)) < 80 and "WARNING" not in out, out
+    assert rc == 0, out + err
+    buffers, busiest = figures(out, "megatron's default communication unit of 3.18B")
+    assert buffers > 10 and busiest < 80 and "WARNING" not in out, out
+    rc, out, err = dry_run("deepseek_v3_fsdp", monkeypatch,
+                           extra=["--suggested-communication-unit-size", "200000000"])
+    assert rc == 0, out + err
+    smaller, then = figures(out, "--suggested-communication-unit-size of 200.00M")
+    assert smaller < buffers - 5 and then == pytest.approx(busiest - (buffers - smaller),
+                                                           abs=0.11), out
     # megatron sizes its double buffer's fixed pools another way: said, not priced
     rc, out, err = dry_run("deepseek_v3_fsdp", monkeypatch, extra=["--fsdp-double-buffer"])
     assert rc == 0 and "[plan] Megatron-FSDP buffers: not modelled for --fsdp-double-buffer " \
@@ -248,6 +261,8 @@ def test_dry_run_checks_against_the_gpu_memory_it_is_given():
     on_h200 = train_sh(*extra, RECIPE="glm45_air_fsdp", GPU_MEMORY_GIB="141")
     assert on_h100.returncode == on_h200.returncode == 0, on_h100.stderr + on_h200.stderr
     assert "WARNING: with activations" in on_h100.stdout and "of 80 GiB" in on_h100.stdout
+    assert "or a smaller --suggested-communication-unit-size (Megatron-FSDP's buffers" \
+        in on_h100.stdout, on_h100.stdout
     assert "WARNING" not in on_h200.stdout and "of 141 GiB" in on_h200.stdout, on_h200.stdout
 
 

@@ -4,12 +4,13 @@ gathered weights and unsharded gradients alive at once through the first step
 (tests/_observed_launch.py's $FSDP_BUCKET_DIR), each kind's share at that moment too.
 
 megatron's default communication unit is at least 10^9 elements, far beyond a CPU model, whose
-units then all fit its windows; the runs that set a smaller one ($FSDP_COMMUNICATION_UNIT: a
-DDP-config field, not a flag) make the windows bind as they do for a real model's layers (the
-gather window prefetches two of the four layers, the reduce-scatter queue frees the oldest):
-with a dense first layer, an MTP layer and experts kept whole (expert-DP 1), a shared expert,
-fp32 main gradients, full recompute, TP2 + SP with expert-DP 2 on 4 ranks, and
-deepseek_v3_fsdp's tiny CPU twin (multi-latent attention, ETP2) on its 4 ranks."""
+units then all fit its windows; the runs that set a smaller one
+(--suggested-communication-unit-size, as users set it; the dry run reads it from the same flags)
+make the windows bind as they do for a real model's layers (the gather window prefetches two of
+the four layers, the reduce-scatter queue frees the oldest): with a dense first layer, an MTP
+layer and experts kept whole (expert-DP 1), a shared expert, fp32 main gradients, full
+recompute, TP2 + SP with expert-DP 2 on 4 ranks, and deepseek_v3_fsdp's tiny CPU twin
+(multi-latent attention, ETP2) on its 4 ranks."""
 
 from __future__ import annotations
 
@@ -53,27 +54,27 @@ RANKS = {"tp2-sp-ep2": 4}
 PADDING = 1e-2
 
 
-def planned(flags: list[str], unit: int | None, ranks: int):
+def planned(flags: list[str], ranks: int):
     flags, _ = plan.launcher_view(flags)
     with contextlib.redirect_stdout(io.StringIO()):
         args = plan.parse_megatron_flags(flags, ranks)
-    return plan.fsdp_buffers_per_gpu(args, plan.count_parameters(args), plan.check_layout(args),
-                                     unit)
+    return plan.fsdp_buffers_per_gpu(args, plan.count_parameters(args), plan.check_layout(args))
+
+
+def with_unit(flags: list[str], unit: int | None) -> list[str]:
+    return [*flags, "--suggested-communication-unit-size", str(unit)] if unit else flags
 
 
 @pytest.mark.parametrize("run", RUNS)
 def test_fsdp_buffers_are_megatrons(run, tmp_path):
     extra, unit = RUNS[run]
-    flags = [*TINY_MODEL, *FSDP, *extra]
-    env = {"FSDP_BUCKET_DIR": str(tmp_path)}
-    if unit:
-        env["FSDP_COMMUNICATION_UNIT"] = str(unit)
+    flags = with_unit([*TINY_MODEL, *FSDP, *extra], unit)
     ranks = RANKS.get(run, 2)
-    launch(ranks, flags, env=env, script=REPO / "tests" / "_observed_launch.py",
-           timeout=300).check()
+    launch(ranks, flags, env={"FSDP_BUCKET_DIR": str(tmp_path)},
+           script=REPO / "tests" / "_observed_launch.py", timeout=300).check()
     measured = [json.loads((tmp_path / f"fsdp_buckets_rank{rank}.json").read_text())
                 for rank in range(ranks)]
-    figure = planned(flags, unit, ranks)
+    figure = planned(flags, ranks)
     assert figure.communication_unit == (unit or 1_000_000_000)
     for rank in measured:
         assert rank["peak"] == rank["weights"] + rank["grads"]
@@ -99,10 +100,10 @@ def test_deepseek_v3_fsdp_twin_buffers_are_megatrons(tmp_path):
     """deepseek_v3_fsdp's tiny CPU twin on its 4 ranks: multi-latent attention, a dense first
     layer, a shared expert, the MTP layer, EP2 x ETP2 (experts whole: expert-DP 1) and full
     recompute, with a communication unit its layers outgrow."""
-    flags, unit = twin_flags("deepseek_v3_fsdp_tiny_cpu"), 60_000
-    env = {"FSDP_BUCKET_DIR": str(tmp_path), "FSDP_COMMUNICATION_UNIT": str(unit)}
-    launch(4, flags, env=env, script=REPO / "tests" / "_observed_launch.py", timeout=300).check()
-    figure = planned(flags, unit, 4)
+    flags = with_unit(twin_flags("deepseek_v3_fsdp_tiny_cpu"), 60_000)
+    launch(4, flags, env={"FSDP_BUCKET_DIR": str(tmp_path)},
+           script=REPO / "tests" / "_observed_launch.py", timeout=300).check()
+    figure = planned(flags, 4)
     for rank in range(4):
         measured = json.loads((tmp_path / f"fsdp_buckets_rank{rank}.json").read_text())
         assert measured["weights"] == pytest.approx(figure.weights, rel=PADDING), (measured, figure)

@@ -8,7 +8,8 @@
 # all, 160 GiB a GPU: the dry run's count without recompute); recomputed, only each layer's
 # input (56 MiB) is kept: 51.8 GiB a GPU, 22.3 of them Megatron-FSDP's gathered layers and
 # unsharded gradients (megatron's communication unit, twice a layer's 1.6B elements a GPU, sets
-# its gather window and reduce-scatter queue; the embedding and output layer stay gathered).
+# its gather window and reduce-scatter queue; the embedding and output layer stay gathered;
+# --suggested-communication-unit-size 200000000 in EXTRA_ARGS: 16.0 GiB, less prefetch).
 # shellcheck source=/dev/null
 source "$RECIPE_DIR/_model_deepseek_v3.sh"
 # shellcheck source=/dev/null
