@@ -46,6 +46,11 @@ class Family:
     # (DeepSeek's seq_aux: megatron's seq_aux_loss), if the family has one.
     aux_loss_key: str | None = "router_aux_loss_coef"
     seq_aux_key: str | None = None
+    # Whether the family's transformers model takes that coefficient times one Switch loss over
+    # all MoE layers' router logits pooled (`load_balancing_loss_func`: top-k at balance), where
+    # megatron adds each layer's own (normalised by top-k: 1 at balance); DeepSeek's own code
+    # adds each layer's, as megatron does.
+    aux_loss_pooled_over_layers: bool = True
     # Saved megatron args the family maps beyond those its tensors above imply (`mapped_args`).
     maps_args: frozenset = frozenset()
     # The attention: "gqa" (q, k, v projections, grouped query heads) or "mla" (DeepSeek's
@@ -305,7 +310,8 @@ _SIGMOID_ROUTER_MTP = dict(expert_bias="mlp.gate.e_score_correction_bias",
                            mtp_layers_key="num_nextn_predict_layers")
 # DeepSeek's own config.json keys of its load-balancing loss (transformers' configs keep them as
 # they are): aux_loss_alpha, sequence-level with seq_aux.
-_DEEPSEEK_AUX_LOSS = dict(aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux")
+_DEEPSEEK_AUX_LOSS = dict(aux_loss_key="aux_loss_alpha", seq_aux_key="seq_aux",
+                          aux_loss_pooled_over_layers=False)
 
 FAMILIES: dict[str, Family] = {family.architecture: family for family in (
     Family(architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig",

@@ -22,7 +22,7 @@ import torch
 
 from . import megatron_side
 from .block_fp8 import FP8, BlockFP8, block_fp8_of
-from .architecture import megatron_flags
+from .architecture import aux_loss_weight_said, megatron_flags
 from .errors import ConvertError
 from .families import Family, family_of_architecture
 from .hf_files import SAFETENSORS_DTYPES, TOKENIZER_FILES, HFTensors, read_config_json
@@ -177,6 +177,8 @@ def import_hf(hf_dir: str, out_dir: str, trust_remote_code: bool = False) -> Non
     with torch.device("meta"):  # names and shapes: each weight is read as it is written
         model = megatron_side.build(model_config)
     weights = _Weights(model, family, config, tensors, left_out, fp8)
+    if said := aux_loss_weight_said(family, config):
+        print(f"convert: import-hf: {said}", flush=True)
     if weights.rope_buffers:
         print(f"convert: import-hf: {len(weights.rope_buffers)} {ROPE_BUFFER.lstrip('.')} buffers "
               "are not read: the rope is computed from config.json, as transformers and vLLM "

@@ -310,6 +310,49 @@ def test_rope_buffers_of_a_checkpoint_are_not_read(family_conversions, tmp_path)
     assert torch.equal(_megatron_logits(tmp_path / "ckpt", tokens), _megatron_logits(ckpt, tokens))
 
 
+def test_import_says_how_the_load_balancing_coefficient_weighs_in_megatron(tmp_path):
+    """router_aux_loss_coef is imported as the same --moe-aux-loss-coeff, which weighs otherwise
+    in megatron: import-hf says by how much, judged by the two libraries' own functions on one
+    router's logits (a real layer's of transformers' model) standing for every MoE layer's, as
+    "equal loads in every layer" says: megatron's router (compute_routing_scores_for_aux_loss,
+    switch_load_balancing_loss_func, once per MoE layer) against transformers'
+    load_balancing_loss_func over the model's router logits, loss and gradient."""
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss, switch_load_balancing_loss_func)
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    # 3 MoE layers of 4 (layer 1 dense), top-2 of 4 experts: 1.5x
+    config = _qwen3_moe(num_hidden_layers=4, mlp_only_layers=[1], router_aux_loss_coef=0.01)
+    model = AutoModelForCausalLM.from_config(config)
+    _randomise(model)
+    model.save_pretrained(tmp_path / "hf")
+    said = [line for line in convert("import-hf", tmp_path / "hf", tmp_path / "ckpt").stdout
+            .splitlines() if "router_aux_loss_coef" in line]
+    assert len(said) == 1, said
+    factor = float(re.search(r"balancing gradient is ([0-9.]+)x transformers'", said[0])[1])
+    matching = float(re.search(r"--moe-aux-loss-coeff ([0-9.e-]+) gives", said[0])[1])
+    assert "--moe-aux-loss-coeff 0.01 " in (tmp_path / "ckpt" / "model_flags.txt").read_text()
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        router_logits = model(tokens, output_router_logits=True).router_logits
+    layers, experts, top_k = len(router_logits), config.num_experts, config.num_experts_per_tok
+    assert layers == 3
+    logits = router_logits[0].detach().requires_grad_()
+    reference = load_balancing_loss_func((logits,) * layers, experts, top_k)
+    (reference_grad,) = torch.autograd.grad(reference, logits)
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, top_k, "softmax")
+    megatron = layers * switch_load_balancing_loss_func(
+        scores, routing_map.sum(dim=0), logits.shape[0], top_k, experts, moe_aux_loss_coeff=1.0)
+    (megatron_grad,) = torch.autograd.grad(megatron, logits)
+    megatron, reference = float(megatron.detach()), float(reference.detach())
+    assert factor == pytest.approx(megatron / reference, rel=1e-6) == layers / top_k
+    torch.testing.assert_close(megatron_grad, factor * reference_grad)
+    # the coefficient offered gives transformers' loss at transformers' own coefficient
+    assert matching * megatron == pytest.approx(0.01 * reference, rel=1e-3)
+
+
 def test_checkpoint_is_a_release_with_the_flags_that_built_it(converted):
     from moe_launcher.convert import megatron_side
 

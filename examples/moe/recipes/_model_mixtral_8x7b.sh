@@ -3,7 +3,9 @@
 # 32 layers, hidden 4096, 32 heads / 8 KV heads (GQA, head dim 128), SwiGLU experts of 14336,
 # 8 experts top-2 (softmax over the top-2 logits = megatron's default router), RMSNorm 1e-5,
 # load-balancing loss 0.02 (router_aux_loss_coef), RoPE theta 1e6, vocab 32000, untied
-# embeddings. Trained here at sequence length 4096.
+# embeddings. Trained here at sequence length 4096. The load-balancing coefficient is the
+# published number, in megatron's per-layer loss: 16x (layers / top-k) the balancing gradient of
+# transformers' pooled one at it (README, import-hf).
 VOCAB_SIZE=32000
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 TOKENIZER_HUB_ID=mistralai/Mixtral-8x7B-v0.1

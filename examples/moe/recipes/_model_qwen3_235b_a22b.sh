@@ -4,7 +4,9 @@
 # dim 128 (attention width 8192 != hidden), QK RMSNorm, 128 experts of 1536 top-8 with
 # normalised top-k probabilities (= softmax over the top-k logits, megatron's default), no
 # shared expert, RMSNorm 1e-6, RoPE theta 1e6, vocab 151936, untied embeddings. Trained here at
-# sequence length 4096.
+# sequence length 4096. The load-balancing coefficient is the published router_aux_loss_coef,
+# in megatron's per-layer loss: 11.75x (layers / top-k) the balancing gradient of transformers'
+# pooled one at it (README, import-hf).
 VOCAB_SIZE=151936
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 TOKENIZER_HUB_ID=Qwen/Qwen3-235B-A22B

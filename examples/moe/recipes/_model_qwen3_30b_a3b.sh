@@ -3,7 +3,9 @@
 # 48 layers, hidden 2048, 32 heads / 4 KV heads with head dim 128 (so attention width 4096 !=
 # hidden), QK RMSNorm, 128 experts of 768 top-8 with normalised top-k probabilities (= softmax
 # over the top-k logits, megatron's default), no shared expert, RMSNorm 1e-6, RoPE theta 1e6,
-# vocab 151936, untied embeddings. Trained here at sequence length 4096.
+# vocab 151936, untied embeddings. Trained here at sequence length 4096. The load-balancing
+# coefficient is the published router_aux_loss_coef, in megatron's per-layer loss: 6x (layers /
+# top-k) the balancing gradient of transformers' pooled one at it (README, import-hf).
 VOCAB_SIZE=151936
 # The published tokenizer, for the download hint: a run loads a local copy (TOKENIZER_MODEL).
 TOKENIZER_HUB_ID=Qwen/Qwen3-30B-A3B
