@@ -9,8 +9,12 @@ too, saying why, so that no patch reports "applied" while it cannot work.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import logging
 import os
+import warnings
 from importlib.metadata import version as installed_version
 from typing import Callable
 
@@ -106,7 +110,7 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         elif context.megatron_version not in SpecifierSet(patch.versions):
             status = PatchStatus(patch.name, False, f"targets megatron-core {patch.versions}, "
                                  f"running {context.megatron_version}")
-        elif (reason := patch.not_needed_because(context)) is not None:
+        elif (reason := _probed(patch, context)) is not None:
             status = PatchStatus(patch.name, False, reason)
         else:
             patch.apply()
@@ -114,6 +118,23 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         _APPLIED[patch.name] = status
         statuses.append(status)
     return statuses
+
+
+def _probed(patch: Patch, context: PatchContext) -> str | None:
+    """patch.not_needed_because, without what the probe's megatron code says: a probe runs
+    megatron on objects of its own (a scheduler restored from a made-up state, a multi-latent
+    attention config), and their log records, prints and warnings read as if about the user's
+    run (every run began with "using checkpoint value 1.0 for learning rate" and warnings about
+    multi-latent attention a model without it never uses). What the probe decides, and any error
+    it raises, stand."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            return patch.not_needed_because(context)
+    finally:
+        logging.disable(previous)
 
 
 def wrapped_by(function, name: str) -> bool:

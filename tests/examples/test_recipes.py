@@ -519,6 +519,13 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
     assert "num_experts ...." not in log
     assert log.count("Falling back to Torch optimizers") == 1, log[-4000:]
     assert log.count("'pin_memory' argument is set as true") == 1, log[-4000:]
+    # the patches' probes run megatron on objects of their own: what megatron logs and warns of
+    # those is not about this run (a fresh one, no checkpoint values to use; no multi-latent
+    # attention, no CUDA graphs)
+    for probe_said in ("using checkpoint value", "learning rate decay style: constant",
+                       "apply_rope_fusion for multi-latent attention",
+                       "full scope is deprecated"):
+        assert probe_said not in log, (probe_said, log[:6000])
     # and nothing a user needs went: the patch lines, the layout, FLOPs, the iterations
     assert "[megatron_patches] layer census:" in log and "FLOPs per iteration" in log
     tracker = ckpt / "latest_checkpointed_iteration.txt"
