@@ -5,10 +5,13 @@ values, not the load they are meant to balance). Targets megatron-core 0.19.x.
 
 Per MoE layer and logging interval: tokens per expert (min, max, mean, coefficient of variation
 = std / mean), the number of experts that received no token, and the tokens dropped by the
-capacity factor (--moe-expert-capacity-factor). With --moe-pad-expert-input-to-capacity the
-router's map holds the padding as well: the tokens counted are those of it the router chose,
-read from the map before the drop that patch expert-bias-counts-routed-tokens keeps beside it
-(with that patch left out, the padded map is counted and drops are not reported).
+capacity factor (--moe-expert-capacity-factor). Under a capacity factor the experts' tokens are
+capped, so their spread no longer shows the router's: the tokens the router chose for each
+expert before the drop (max, and cv) are reported beside them, read from the map before the
+drop that patch expert-bias-counts-routed-tokens keeps beside the kept one. With
+--moe-pad-expert-input-to-capacity the router's map holds the padding as well: the tokens
+counted are those of it the router chose (with that patch left out, the padded map is counted,
+and neither drops nor the chosen tokens are reported).
 
 * Counting: after `TopKRouter.routing` returns its routing map, each router adds the map's
   per-expert sums to a device tensor of its own: no host sync, no collective, on the step's
@@ -45,6 +48,9 @@ class LayerLoad:
     layer: int  # 1-based layer number (MTP layers follow the decoder layers)
     tokens_per_expert: tuple[int, ...]
     dropped: int | None  # None where drops cannot be told (padded to capacity)
+    # the tokens the router chose per expert before a capacity drop; None without a capacity
+    # factor (they are tokens_per_expert) or where the map before the drop is not kept
+    chosen: tuple[int, ...] | None = None
 
     @property
     def mean(self) -> float:
@@ -52,10 +58,11 @@ class LayerLoad:
 
     @property
     def cv(self) -> float:
-        mean = self.mean
-        counts = self.tokens_per_expert
-        variance = sum((n - mean) ** 2 for n in counts) / len(counts)
-        return math.sqrt(variance) / mean if mean else 0.0
+        return _cv(self.tokens_per_expert)
+
+    @property
+    def chosen_cv(self) -> float | None:
+        return None if self.chosen is None else _cv(self.chosen)
 
     @property
     def idle_experts(self) -> int:
@@ -67,7 +74,16 @@ class LayerLoad:
                   "tokens_cv": self.cv, "idle_experts": self.idle_experts}
         if self.dropped is not None:
             values["dropped_tokens"] = self.dropped
+        if self.chosen is not None:
+            values["chosen_tokens_max"] = max(self.chosen)
+            values["chosen_tokens_cv"] = self.chosen_cv
         return values
+
+
+def _cv(counts: tuple[int, ...]) -> float:
+    mean = sum(counts) / len(counts)
+    variance = sum((n - mean) ** 2 for n in counts) / len(counts)
+    return math.sqrt(variance) / mean if mean else 0.0
 
 
 def _layer_index(router) -> int | None:
@@ -77,24 +93,30 @@ def _layer_index(router) -> int | None:
 
 
 def _count(router, routing_map: torch.Tensor) -> None:
-    # Two device ops per router and micro-batch (no autograd: the map is boolean); the drop
-    # count only where a capacity factor can drop tokens.
+    # A few device ops per router and micro-batch (no autograd: the maps are boolean); the drop
+    # and chosen counts only where a capacity factor can drop tokens.
     config = router.config
     capacity = config.moe_expert_capacity_factor is not None
+    # the map before the drop (expert-bias-counts-routed-tokens keeps it): what the router chose
+    routed = routed_before_capacity(routing_map) if capacity else routing_map
+    chosen_known = routed is not routing_map
     drops_known, kept = True, routing_map
     if capacity and config.moe_pad_expert_input_to_capacity:
         # The map holds the padding too: the tokens an expert really got are those of it the
-        # router chose (the map before the drop, kept by expert-bias-counts-routed-tokens).
-        routed = routed_before_capacity(routing_map)
-        drops_known = routed is not routing_map
+        # router chose.
+        drops_known = chosen_known
         if drops_known:
             kept = routing_map & routed
     assigned = kept.sum(dim=0)
     if getattr(router, "_expert_load", None) is None:
         router._expert_load = torch.zeros_like(assigned)
+        router._expert_chosen = torch.zeros_like(assigned)
         router._expert_drops = torch.zeros((), dtype=assigned.dtype, device=assigned.device)
     router._expert_load += assigned
     router._expert_drops_known = drops_known
+    router._expert_chosen_known = chosen_known
+    if chosen_known:
+        router._expert_chosen += routed.sum(dim=0)
     if capacity and drops_known:
         # Top-k routing assigns every token k experts; what the map lacks was dropped.
         router._expert_drops += kept.shape[0] * router.topk - assigned.sum()
@@ -104,29 +126,35 @@ def _count(router, routing_map: torch.Tensor) -> None:
 def interval_loads(num_layers: int, num_experts: int) -> list[LayerLoad]:
     """Every MoE layer's load since the last call, summed over all ranks; resets the counts.
     Every rank must call it (one all-reduce)."""
-    width = num_experts + 1
+    # a layer's row: tokens per expert, chosen tokens per expert, drops
+    width = 2 * num_experts + 1
     table = [0.0] * (num_layers * width)
-    drops_known = [0.0] * num_layers
+    known = [0.0] * (2 * num_layers)  # per layer: drops known, chosen known
     counted = [(router, index) for router in list(_ROUTERS)
                if (index := _layer_index(router)) is not None
                and getattr(router, "_expert_load", None) is not None]
     if counted:
         # One copy to the host for all layers (on a GPU one sync per log line, not per router).
-        rows = torch.stack([torch.cat([router._expert_load, router._expert_drops.reshape(1)])
+        rows = torch.stack([torch.cat([router._expert_load, router._expert_chosen,
+                                       router._expert_drops.reshape(1)])
                             for router, _ in counted]).tolist()
         for (router, index), row in zip(counted, rows):
             table[index * width:(index + 1) * width] = row
-            drops_known[index] = float(router._expert_drops_known)
+            known[2 * index] = float(router._expert_drops_known)
+            known[2 * index + 1] = float(router._expert_chosen_known)
             router._expert_load.zero_()
+            router._expert_chosen.zero_()
             router._expert_drops.zero_()
-    summed = collectives.reduce_numbers(table + drops_known, op="sum")
-    table, drops_known = summed[:num_layers * width], summed[num_layers * width:]
+    summed = collectives.reduce_numbers(table + known, op="sum")
+    table, known = summed[:num_layers * width], summed[num_layers * width:]
     loads = []
     for index in range(num_layers):
         row = [int(round(v)) for v in table[index * width:(index + 1) * width]]
-        if sum(row[:-1]) == 0:
+        tokens, chosen = row[:num_experts], row[num_experts:-1]
+        if sum(tokens) == 0:
             continue  # a dense layer, or no training step in this interval
-        loads.append(LayerLoad(index + 1, tuple(row[:-1]), row[-1] if drops_known[index] else None))
+        loads.append(LayerLoad(index + 1, tuple(tokens), row[-1] if known[2 * index] else None,
+                               tuple(chosen) if known[2 * index + 1] else None))
     return loads
 
 
@@ -143,6 +171,11 @@ def summary_line(iteration: int, loads: list[LayerLoad]) -> str:
     if dropped:
         total = sum(dropped)
         line += f" dropped tokens {total} ({100 * total / max(total + routed, 1):.2f}%) |"
+    if chose := [load for load in loads if load.chosen is not None]:
+        hottest = max(chose, key=lambda load: load.chosen_cv)
+        line += (f" chosen before the drop: max {max(max(load.chosen) for load in chose)} | "
+                 f"cv mean {sum(load.chosen_cv for load in chose) / len(chose):.3f} "
+                 f"max {hottest.chosen_cv:.3f} (layer {hottest.layer}) |")
     return line
 
 
@@ -213,7 +246,7 @@ PATCH = register(Patch(
     upstream="NVIDIA/Megatron-LM#2398",
     versions=">=0.19,<0.20",
     summary="per-layer tokens per expert (min/max/mean/cv), idle experts, dropped tokens "
-            "per log interval",
+            "and those chosen before the drop, per log interval",
     not_needed_because=_not_needed_because,
     apply=_apply,
 ))

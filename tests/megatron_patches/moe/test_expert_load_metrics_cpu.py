@@ -1,7 +1,8 @@
 """Expert-load metrics (patch expert-load-metrics, Megatron-LM issue #2398) equal a direct count
 of the routing decisions of a real megatron GPT: tokens per expert (min/max/mean/cv), experts
-with no token and tokens dropped by the capacity factor, per layer; the summary line and the
-per-layer TensorBoard scalars carry them; the counts restart after each report."""
+with no token, tokens dropped by the capacity factor and the tokens the router chose before the
+drop, per layer; the summary line and the per-layer TensorBoard scalars carry them; the counts
+restart after each report."""
 
 import math
 import types
@@ -22,7 +23,8 @@ CAPACITY = {"dropless": {}, "dropping": dict(moe_expert_capacity_factor=0.5),
 @pytest.mark.parametrize("capacity", CAPACITY)
 def test_expert_load_equals_a_direct_count(capacity, tmp_path, monkeypatch):
     """Padded to capacity the router's map holds the padding: the direct count is then of its
-    entries the router chose, each token's top-k of the logits the router's gating computed."""
+    entries the router chose, each token's top-k of the logits the router's gating computed;
+    under a capacity factor those top-k are also the chosen tokens reported beside the kept."""
     from megatron.core.transformer.moe.router import TopKRouter
     from torch.utils.tensorboard import SummaryWriter
 
@@ -37,6 +39,7 @@ def test_expert_load_equals_a_direct_count(capacity, tmp_path, monkeypatch):
     model = cpu.build_gpt(config, SEQ)
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     routed = {r.layer_number: torch.zeros(EXPERTS, dtype=torch.int64) for r in routers}
+    top_k_counts = {r.layer_number: torch.zeros(EXPERTS, dtype=torch.int64) for r in routers}
     chosen, gating = {}, TopKRouter.gating
 
     def chosen_by_gating(router, hidden):  # softmax routing: top-k of the logits
@@ -54,6 +57,7 @@ def test_expert_load_equals_a_direct_count(capacity, tmp_path, monkeypatch):
             if capacity != "padded":
                 assert torch.equal(real, outputs[1])  # the map holds only chosen tokens
             routed[router.layer_number] += real.sum(dim=0)
+            top_k_counts[router.layer_number] += chosen[router.layer_number].sum(dim=0)
 
     for router in routers:
         router.register_forward_hook(count)
@@ -79,8 +83,13 @@ def test_expert_load_equals_a_direct_count(capacity, tmp_path, monkeypatch):
         assert load.idle_experts == direct.count(0)
         assigned_before_drops = 2 * BATCH * SEQ * TOPK
         assert load.dropped == assigned_before_drops - sum(direct)
-        if capacity != "dropless":
+        if capacity == "dropless":
+            assert load.chosen is None and "chosen_tokens_max" not in load.scalars()
+        else:
             assert load.dropped > 0
+            assert list(load.chosen) == top_k_counts[load.layer].tolist()
+            assert sum(load.chosen) == assigned_before_drops
+            assert max(load.chosen) > max(direct) and load.chosen_cv > load.cv  # capped
     expert_load_metrics.write_scalars(loads, 7, writer, None)
     writer.flush()
     assert tensorboard_scalars(tmp_path, "expert_load/tokens_max/layer_2") == {
@@ -93,6 +102,13 @@ def test_expert_load_equals_a_direct_count(capacity, tmp_path, monkeypatch):
     assert f"tokens/expert min {min(every)} max {max(every)} " in line
     assert f"experts with no token {every.count(0)} |" in line
     assert f"dropped tokens {sum(load.dropped for load in loads)} " in line
+    if capacity != "dropless":
+        chose = max(n for counts in top_k_counts.values() for n in counts.tolist())
+        assert f"chosen before the drop: max {chose} |" in line
+        assert tensorboard_scalars(tmp_path, "expert_load/chosen_tokens_max/layer_1") == {
+            7: max(top_k_counts[1].tolist())}
+    else:
+        assert "chosen" not in line
 
     expert_load_metrics.report(8, args, None, None, lines.append)
     assert lines == []  # nothing routed since the last report
