@@ -133,8 +133,8 @@ def _load_balancing_flags(family: Family, config) -> list[str]:
 
 
 def aux_loss_weight_said(family: Family, config) -> str | None:
-    """What the load-balancing coefficient, imported as the same number, weighs in megatron
-    against the family's transformers model, where they differ. With F_e the tokens whose top k
+    """What the load-balancing coefficient, imported and exported as the same number, weighs in
+    megatron against the family's transformers model, where they differ. With F_e the tokens whose top k
     chose expert e over all tokens (k in all) and P_e the mean router probability of e, megatron
     adds each of the L MoE layers' E/k * sum_e F_e P_e (1 at balance), transformers'
     `load_balancing_loss_func` takes E * sum_e F_e P_e once, F and P pooled over the L layers
@@ -146,7 +146,7 @@ def aux_loss_weight_said(family: Family, config) -> str | None:
     layers, top_k = sum(family.moe_layers(config)), config.num_experts_per_tok
     if layers == top_k:
         return None
-    return (f"{family.aux_loss_key} {coefficient!r} -> --moe-aux-loss-coeff {coefficient!r}, the "
+    return (f"{family.aux_loss_key} {coefficient!r} = --moe-aux-loss-coeff {coefficient!r}, the "
             f"same number, weighs otherwise: megatron adds each of the {layers} MoE layers' "
             f"load-balancing loss (normalised by top-k: 1 at balance), transformers' "
             f"load_balancing_loss_func takes one over the layers pooled ({top_k} at balance), "

@@ -16,7 +16,7 @@ import shutil
 import torch
 
 from . import megatron_side
-from .architecture import hf_config_kwargs
+from .architecture import aux_loss_weight_said, hf_config_kwargs
 from .block_fp8 import BlockFP8, block_fp8_of, stored_as_fp8
 from .families import family_of_args
 from .hf_files import ShardWriter, copy_tokenizer, read_config_json, read_with_progress
@@ -152,6 +152,8 @@ def export_hf(ckpt_dir: str, out_dir: str, iteration: int | None, tokenizer: str
     print(f"convert: export-hf: {family.architecture}, the Hugging Face model whose forward the "
           f"checkpoint's args compute ({', '.join(f'{k}={v}' for k, v in family.marks.items())})",
           flush=True)
+    if said := aux_loss_weight_said(family, config):
+        print(f"convert: export-hf: {said}", flush=True)
     reader = megatron_side.open_reader(model, path)
     # (each MTP layer's copies of the embedding and output head too, as DeepSeek-V3's
     # checkpoint holds them: vLLM's MTP loader reads them from there)

@@ -311,12 +311,13 @@ def test_rope_buffers_of_a_checkpoint_are_not_read(family_conversions, tmp_path)
 
 
 def test_import_says_how_the_load_balancing_coefficient_weighs_in_megatron(tmp_path):
-    """router_aux_loss_coef is imported as the same --moe-aux-loss-coeff, which weighs otherwise
-    in megatron: import-hf says by how much, judged by the two libraries' own functions on one
-    router's logits (a real layer's of transformers' model) standing for every MoE layer's, as
-    "equal loads in every layer" says: megatron's router (compute_routing_scores_for_aux_loss,
-    switch_load_balancing_loss_func, once per MoE layer) against transformers'
-    load_balancing_loss_func over the model's router logits, loss and gradient."""
+    """router_aux_loss_coef is imported as the same --moe-aux-loss-coeff (and exported back),
+    which weighs otherwise in megatron: import-hf and export-hf say by how much, judged by the
+    two libraries' own functions on one router's logits (a real layer's of transformers' model)
+    standing for every MoE layer's, as "equal loads in every layer" says: megatron's router
+    (compute_routing_scores_for_aux_loss, switch_load_balancing_loss_func, once per MoE layer)
+    against transformers' load_balancing_loss_func over the model's router logits, loss and
+    gradient."""
     from megatron.core.transformer.moe.moe_utils import (
         compute_routing_scores_for_aux_loss, switch_load_balancing_loss_func)
     from transformers import AutoModelForCausalLM
@@ -333,6 +334,8 @@ def test_import_says_how_the_load_balancing_coefficient_weighs_in_megatron(tmp_p
     factor = float(re.search(r"balancing gradient is ([0-9.]+)x transformers'", said[0])[1])
     matching = float(re.search(r"--moe-aux-loss-coeff ([0-9.e-]+) gives", said[0])[1])
     assert "--moe-aux-loss-coeff 0.01 " in (tmp_path / "ckpt" / "model_flags.txt").read_text()
+    exported = convert("export-hf", tmp_path / "ckpt", tmp_path / "exported").stdout
+    assert f"convert: export-hf: {said[0].removeprefix('convert: import-hf: ')}" in exported
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
