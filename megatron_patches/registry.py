@@ -121,18 +121,25 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
 
 
 def _probed(patch: Patch, context: PatchContext) -> str | None:
-    """patch.not_needed_because, without what the probe's megatron code says: a probe runs
-    megatron on objects of its own (a scheduler restored from a made-up state, a multi-latent
-    attention config), and their log records, prints and warnings read as if about the user's
-    run (every run began with "using checkpoint value 1.0 for learning rate" and warnings about
-    multi-latent attention a model without it never uses). What the probe decides, and any error
-    it raises, stand."""
+    """patch.not_needed_because, what its megatron code says dropped (probe_output_dropped)."""
+    with probe_output_dropped():
+        return patch.not_needed_because(context)
+
+
+@contextlib.contextmanager
+def probe_output_dropped():
+    """Around a probe, megatron's log records, prints and warnings dropped: a probe runs megatron
+    on objects of its own (a scheduler restored from a made-up state, a multi-latent attention
+    config), and what megatron says of them read as if about the user's run (every run began
+    with "using checkpoint value 1.0 for learning rate" and warnings about multi-latent attention
+    rope fusion a model without it never uses). What the probe decides, and any error it raises,
+    stand. Preflight's calls of a patch's probe use it too."""
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            return patch.not_needed_because(context)
+            yield
     finally:
         logging.disable(previous)
 

@@ -623,8 +623,11 @@ def check_multi_latent_attention_spec(args) -> None:
     if not args.multi_latent_attention or args.transformer_impl != "local":
         return
     from megatron_patches.build.local_mla_core_attention import local_core_attention_builds_mla
+    from megatron_patches.registry import probe_output_dropped
 
-    if not local_core_attention_builds_mla():  # (patch local-mla-core-attention left out)
+    with probe_output_dropped():
+        builds_mla = local_core_attention_builds_mla()
+    if not builds_mla:  # (patch local-mla-core-attention left out)
         raise PreflightError("--multi-latent-attention",
                              "--multi-latent-attention on megatron's local spec "
                              "(--transformer-impl local): megatron-core's local core attention "
@@ -641,9 +644,12 @@ def check_mla_yarn_flags(args) -> None:
     if not args.multi_latent_attention or args.rope_type not in (None, "yarn"):
         return
     from megatron_patches.build.mla_yarn_flags import YARN_FIELDS, mla_config_takes_yarn_flags
+    from megatron_patches.registry import probe_output_dropped
 
     given = [arg for arg in YARN_FIELDS if getattr(args, arg, None) is not None]
-    if given and not mla_config_takes_yarn_flags():  # (patch mla-yarn-flags left out)
+    with probe_output_dropped():
+        takes_yarn = bool(given) and mla_config_takes_yarn_flags()
+    if given and not takes_yarn:  # (patch mla-yarn-flags left out)
         flag = "--" + given[0].replace("_", "-")
         raise PreflightError(flag, f"{flag} with --multi-latent-attention: megatron-core 0.19.2 "
                                    "builds MLA's YaRN without it (beta_fast 32, beta_slow 1, "

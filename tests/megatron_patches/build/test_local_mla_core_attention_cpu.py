@@ -70,3 +70,26 @@ def test_unpatched_mla_on_the_local_spec_is_refused_in_one_line(tmp_path):
     assert run.exit_codes == [2], run.log[-3000:]
     assert len(errors) == 1 and errors[0].startswith("pretrain_moe: error: --multi-latent-attention")
     assert "Traceback" not in run.log and not (tmp_path / "ckpt").exists()
+
+
+def test_preflights_probes_say_nothing_of_their_own_configs(capsys):
+    """Preflight asks this patch's probe (and mla-yarn-flags') whether megatron now builds MLA on
+    the local spec (and takes the YaRN flags); the probes build megatron configs of their own,
+    whose warnings (a deprecated CUDA-graph scope, rope fusion) and prints are not about the run:
+    dropped (registry.probe_output_dropped), the verdicts kept (no refusal: both patches are
+    applied)."""
+    import argparse
+    import warnings
+
+    from moe_launcher import preflight
+
+    cpu.build_gpt(cpu.tiny_config(**MLA_CONFIG), seq_length=16)  # the world and the patches
+    capsys.readouterr()
+    args = argparse.Namespace(multi_latent_attention=True, transformer_impl="local",
+                              rope_type=None, yarn_beta_fast=1.0, yarn_beta_slow=None,
+                              yarn_original_max_position_embeddings=None)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        preflight.check_multi_latent_attention_spec(args)
+        preflight.check_mla_yarn_flags(args)
+    assert [str(w.message) for w in said] == [] and capsys.readouterr().out == ""
