@@ -207,6 +207,7 @@ PATCH_MODULES = (
     "megatron_patches.accounting.loss_over_real_vocabulary",
     "megatron_patches.accounting.fused_cross_entropy_gradient_dtype",
     "megatron_patches.accounting.parameter_census",
+    "megatron_patches.accounting.activation_memory_report",
     "megatron_patches.fsdp.fsdp_expert_etp_sharding",
     "megatron_patches.fsdp.fsdp_dtensor_optimizer_keys",
     "megatron_patches.fsdp.fsdp_one_rank_grad_scaling",

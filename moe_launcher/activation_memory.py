@@ -388,6 +388,16 @@ def rank_activations(args, config, pattern: list[int], vocab: int, microbatches:
     return ranks
 
 
+def recompute_said(args) -> str:
+    """The run's recompute, in words."""
+    if args.recompute_granularity == "full":
+        return (f"full recompute, {args.recompute_method} {args.recompute_num_layers} "
+                f"layer{'s' if args.recompute_num_layers > 1 else ''}")
+    if args.recompute_granularity == "selective":
+        return f"selective recompute of {','.join(args.recompute_modules or ['core_attn'])}"
+    return "no recompute"
+
+
 def recompute_not_modelled(args) -> list[str]:
     """The --recompute-modules this model counts as kept."""
     if args.recompute_granularity != "selective":

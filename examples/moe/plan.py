@@ -380,15 +380,6 @@ def flops_per_iteration(args, config, layout: Layout) -> int:
     return int(flops_per_batch(shape, census, tokens, batch * args.seq_length ** 2))
 
 
-def recompute_said(args) -> str:
-    if args.recompute_granularity == "full":
-        return (f"full recompute, {args.recompute_method} {args.recompute_num_layers} "
-                f"layer{'s' if args.recompute_num_layers > 1 else ''}")
-    if args.recompute_granularity == "selective":
-        return f"selective recompute of {','.join(args.recompute_modules or ['core_attn'])}"
-    return "no recompute"
-
-
 def activations_per_gpu(args, config, layout: Layout, states: list[Memory],
                         buffers: float = 0.0) -> float:
     """Prints the activation estimate (moe_launcher.activation_memory) and the busiest GPU's
@@ -406,7 +397,7 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory],
     peak, state = ranks[fullest], states[fullest]
     chunked = " chunk" if (args.virtual_pipeline_model_parallel_size or 1) > 1 else ""
     print(f"[plan] activations (moe_launcher.activation_memory: Transformer Engine's kernels, "
-          f"{recompute_said(args)}, experts' average share of tokens): a layer's activations "
+          f"{activation_memory.recompute_said(args)}, experts' average share of tokens): a layer's activations "
           f"{', '.join(f'{size(b)} ({k})' for k, b in kinds)} a micro-batch of "
           f"{args.micro_batch_size} x {args.seq_length} tokens before recompute")
     then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
