@@ -196,6 +196,7 @@ PATCH_MODULES = (
     "megatron_patches.checkpointing.rerun_without_save",
     "megatron_patches.checkpointing.skipped_iteration_reads_every_rank",
     "megatron_patches.checkpointing.skipped_iteration_ends_rerun",
+    "megatron_patches.checkpointing.resumed_run_checks_first_iteration",
     "megatron_patches.accounting.layer_layout_validation",
     "megatron_patches.accounting.layer_census",
     "megatron_patches.moe.moe_aux_loss_per_built_layer",

@@ -6,7 +6,9 @@ With $TRACKER_LINE_PER_RANK=1 every check of the loss writes its failures to
 step has them (gpt_step._tracker_lines_kept left out). With $BATCH_PROBE=1 every rank prints
 `batch read: iteration <n> rank <r> tokens <sum of the token ids>` for each micro-batch it reads.
 With $BAD_LOSS_RANK set, only that global rank's losses get $BAD_LOSS (a bad sample in one
-data-parallel replica's batch); every rank's otherwise.
+data-parallel replica's batch); every rank's otherwise. With $BAD_LOSS_TIMES=1 the token losses
+are multiplied by $BAD_LOSS instead: with nan the gradients are NaN too, as a batch that
+overflows the model gives them.
 
 The project's forward step and loss function run unchanged; the loss function is handed the
 model's token losses plus a constant, so the gradients stay those of the true loss and only a
@@ -54,6 +56,7 @@ BAD_LOSS = float(os.environ["BAD_LOSS"])
 BAD_LOSS_AT = int(os.environ.get("BAD_LOSS_AT", "0"))
 IN_EVALUATION = os.environ.get("BAD_LOSS_IN") == "evaluation"
 BAD_LOSS_RANK = os.environ.get("BAD_LOSS_RANK")
+BAD_LOSS_TIMES = os.environ.get("BAD_LOSS_TIMES") == "1"
 
 
 def _bad(iteration: int, training: bool) -> bool:  # megatron's curr_iteration counts from 0
@@ -68,6 +71,8 @@ def forward_step_with_bad_loss(data_iterator, model):
     output, loss_func = forward_step(data_iterator, model)
     if not _bad(get_args().curr_iteration, model.training):
         return output, loss_func
+    if BAD_LOSS_TIMES:
+        return output, lambda output_tensor: loss_func(output_tensor * BAD_LOSS)
     return output, lambda output_tensor: loss_func(output_tensor + BAD_LOSS)
 
 

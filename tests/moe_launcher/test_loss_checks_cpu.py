@@ -7,7 +7,11 @@ it reproducible and trains on (its validate_result with fatal=False). A batch wh
 wherever it runs goes through megatron's whole recovery, over three jobs, to the job that skips
 it."""
 
+import json
+import math
 import re
+import subprocess
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -325,3 +329,94 @@ def test_a_failed_evaluation_names_no_training_iteration_to_skip(kept, tmp_path)
         assert len(lines) == job and " iteration=2 status=RerunValidationStatus.RERUN_DISABLED " \
             in lines[-1], lines
     assert RerunStateMachine.get_skipped_iterations_from_tracker_file(str(tracker)) == [2]
+
+
+# A job that resumes onto a bad batch: job 1 trains iterations 1-2 and stops with a checkpoint
+# of iteration 2; job 2 resumes from it and its first step's batch overflows the model (NaN
+# loss and gradients: $BAD_LOSS_TIMES).
+RESUMED_NAN_AT = 3
+
+
+def _finite_weights(checkpoint: str) -> dict[str, bool]:
+    """Whether each weight of a torch_dist checkpoint is finite, read by megatron-core's own
+    dist_checkpointing.load_plain_tensors (one gloo rank in a process of its own)."""
+    reader = (
+        "import json, sys, tempfile, torch\n"
+        "torch.distributed.init_process_group('gloo', rank=0, world_size=1,\n"
+        "    init_method='file://' + tempfile.mktemp())\n"
+        "from megatron.core.dist_checkpointing import load_plain_tensors\n"
+        "tensors = load_plain_tensors(sys.argv[1])\n"
+        "print(json.dumps({k: bool(torch.isfinite(v).all()) for k, v in tensors.items()\n"
+        "                  if k.endswith('weight') and torch.is_tensor(v)}))\n")
+    read = subprocess.run([sys.executable, "-c", reader, checkpoint], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert read.returncode == 0, read.stderr[-3000:]
+    return json.loads(read.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_a_nan_at_the_first_step_after_a_resume_is_caught_before_it_trains(patched, tmp_path):
+    """resumed-run-checks-first-iteration. Patched: job 2 finds the NaN at its first step,
+    reruns it in place and saves the weights it resumed with to rerun it from (iteration 2,
+    finite), the tracker naming iteration 3. Unpatched (megatron-core 0.19.2 judges nothing at a
+    process's first iteration): iteration 3 trains its NaN gradients into the weights, the next
+    step's loss is NaN from them, and megatron saves those weights as iteration 3, the newest
+    checkpoint, to rerun iteration 4, a good batch, from."""
+    common = [*TINY_MODEL, "--train-iters", "4", "--load", str(tmp_path / "ckpt"),
+              "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+              "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt")]
+    env = {"BAD_LOSS": "nan", "BAD_LOSS_TIMES": "1",
+           "MEGATRON_PATCHES_DISABLE": "" if patched else "resumed-run-checks-first-iteration"}
+    first = launch(1, [*common, "--exit-interval", "2"], script=REPO / "tests" /
+                   "_bad_loss_entry.py", env={**env, "BAD_LOSS_AT": "99"})
+    assert first.returncode == 0, first.log[-3000:]
+    second = launch(1, common, script=REPO / "tests" / "_bad_loss_entry.py",
+                    env={**env, "BAD_LOSS_AT": str(RESUMED_NAN_AT)})
+    assert second.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, second.log[-3000:]
+    named = {iteration for _, _, iteration in
+             _lines((tmp_path / "rejected.txt").read_text().splitlines())}
+    newest = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    finite = _finite_weights(str(tmp_path / "ckpt" / f"iter_{newest:07d}"))
+    assert finite, "no weights read"
+    if patched:
+        assert (named, newest) == ({RESUMED_NAN_AT}, RESUMED_NAN_AT - 1)
+        assert all(finite.values()), finite
+    else:
+        assert (named, newest) == ({RESUMED_NAN_AT + 1}, RESUMED_NAN_AT)
+        assert not any(finite.values()), finite
+
+
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+
+
+@pytest.mark.slow
+def test_under_megatron_fsdp_a_batch_that_fails_twice_is_skipped(tmp_path, node_shim):
+    """megatron's recovery with fsdp_dtensor checkpoints, which keep no rerun state ("RerunState
+    Machine checkpoints ONLY SUPPORTED for checkpoint format torch_dist"): job 2, on another
+    node, starts on the failed iteration as a fresh run would. With
+    resumed-run-checks-first-iteration it checks that step, finds the NaN again and exits 16
+    once more (megatron's second-node verdict, 17, needs the rerun state); both jobs' lines make
+    job 3 skip the iteration and train on. Only data-parallel rank 0's batch is bad, so one rank
+    writes the lines."""
+    def job(name: str, env: dict | None = None):
+        return launch(2, [*TINY_MODEL, *FSDP, "--train-iters", str(NAN_ITERS),
+                          "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt"),
+                          "--save-interval", "100", "--tensorboard-dir", str(tmp_path / name),
+                          "--result-rejected-tracker-filename", str(tmp_path / "rejected.txt")],
+                      script=REPO / "tests" / "_bad_loss_entry.py",
+                      env={"BAD_LOSS": "nan", "BAD_LOSS_AT": str(NAN_AT), "BAD_LOSS_TIMES": "1",
+                           "BAD_LOSS_RANK": "0", **(env or {})})
+
+    first = job("first")
+    assert first.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, first.log[-3000:]
+    second = job("second", {"LD_PRELOAD": str(node_shim), "NODE_SHIM_HOSTNAME": "othernode"})
+    assert second.returncode == EXIT_CODE_RESUME_TO_DISAMBIGUATE, second.log[-3000:]
+    lines = _lines((tmp_path / "rejected.txt").read_text().splitlines())
+    assert lines == [(0, status, NAN_AT) for status in sorted(STATUSES[:2] * 2)], lines
+    third = job("third")
+    assert f"Will skip these iterations from tracker file: [{NAN_AT}]" in third.log
+    assert third.returncode == 0, third.log[-3000:]
+    losses = tensorboard_scalars(tmp_path / "third", "lm loss")
+    assert sorted(losses) == [NAN_ITERS] and all(map(math.isfinite, losses.values())), losses
