@@ -41,9 +41,16 @@ def test_setup_is_wrapped_once_by_the_record():
     context = registry.current_context(cpu_backend=True)
     registry.apply_patches(context)
     registry.apply_patches(context)
-    wrapper = training.setup_model_and_optimizer
-    assert wrapper._records_model
-    assert not hasattr(wrapper.__wrapped__, "__wrapped__")  # megatron's own function beneath
+    chain, function = [], training.setup_model_and_optimizer
+    while function is not None:  # the wrappers, then megatron's own function beneath
+        chain.append(function)
+        function = getattr(function, "__wrapped__", None)
+    # two patches wrap megatron's setup, the record and the first-step check, each once
+    # (functools.wraps copies a wrapper's attributes onto the one around it)
+    assert len(chain) == 3
+    assert chain[0]._records_model
+    assert registry.wrapped_by(chain[0], "resumed-run-checks-first-iteration")
+    assert not hasattr(chain[-1], "_records_model") and not hasattr(chain[-1], "__wrapped_by__")
     assert theoretical_memory_usage.compute_weight_and_optimizer_memory._from_model_built
 
 
