@@ -10,7 +10,9 @@
 # With -v verdict_after=N it prints instead what megatron decided in the lines after line N (one
 # attempt's): "STATUS ITERATION NODE" of the last that reproduced a NaN/Inf (STATUS
 # FIRST_RERUN_REPRODUCIBLE: it exited 16; SECOND_RERUN_REPRODUCIBLE: 17), or nothing; after a 17,
-# a fourth field: the node that reproduced that iteration's NaN/Inf in place (its 16), if any.
+# a fourth field: the node that reproduced that iteration's NaN/Inf in place (its 16), if any;
+# after a 16, the node where an earlier attempt reproduced it in place too, if any (Megatron-FSDP:
+# fsdp_dtensor checkpoints keep no rerun state, so a rerun on another node exits 16 again).
 function field(name) {  # the value of " name=value" on this line, "" if none
   if (!match($0, " " name "=[^ ]*")) return ""
   return substr($0, RSTART + length(name) + 2, RLENGTH - length(name) - 2)
@@ -21,11 +23,16 @@ function field(name) {  # the value of " name=value" on this line, "" if none
   status = toupper(status)
   if (verdict_after != "") {
     if (!/ message=.found (NaN|Inf) /) next
-    if (status == "FIRST_RERUN_REPRODUCIBLE") first_node[field("iteration")] = field("node")
+    iteration = field("iteration")
+    if (status == "FIRST_RERUN_REPRODUCIBLE") {
+      if (NR <= verdict_after) earlier_node[iteration] = field("node")
+      first_node[iteration] = field("node")
+    }
     if (NR > verdict_after &&
         (status == "FIRST_RERUN_REPRODUCIBLE" || status == "SECOND_RERUN_REPRODUCIBLE"))
-      verdict = status " " field("iteration") " " field("node") \
-                (status == "SECOND_RERUN_REPRODUCIBLE" ? " " first_node[field("iteration")] : "")
+      verdict = status " " iteration " " field("node") \
+                (status == "SECOND_RERUN_REPRODUCIBLE" ? " " first_node[iteration] : \
+                 iteration in earlier_node ? " " earlier_node[iteration] : "")
     next
   }
   if (status != "RERUN_DISABLED" && status != "FIRST_RERUN_REPRODUCIBLE" &&

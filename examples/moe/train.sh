@@ -28,8 +28,9 @@
 # its iteration; USR1, sent --signal's lead time before the time limit, does the same and then
 # requeues the job, which resumes from that checkpoint. A requeued job appends to its log.
 # A NaN/Inf loss that megatron reproduces (exit 16) holds the job, printing the command that
-# reruns it on another node; reproduced there too (exit 17), the job requeues itself and skips
-# that batch ($RUN_DIR/rejected_results.txt, megatron's --result-rejected-tracker-filename).
+# reruns it on another node; reproduced there too (exit 17; 16 again under Megatron-FSDP), the
+# job requeues itself and skips that batch ($RUN_DIR/rejected_results.txt, megatron's
+# --result-rejected-tracker-filename).
 # Without Slurm, exit 16 says which --iterations-to-skip to add to EXTRA_ARGS to skip the batch.
 #
 #SBATCH --job-name=moe-pretrain
@@ -211,9 +212,12 @@ tracker_lines() { if [[ -n $TRACKER ]]; then wc -l < "$TRACKER"; else echo 0; fi
 # 17 where it was reproduced on a second node. Neither torchrun nor srun passes that code on.
 # rejected_verdict reads it from the tracker lines this attempt appended (rejected_results.awk):
 # sets VERDICT, ITERATION and NODE (megatron's host name), after a 17 FIRST_NODE (the host that
-# gave the 16), and fails where there is none.
+# gave the 16), after a 16 FIRST_NODE where an earlier attempt gave a 16 for it too (Megatron-FSDP:
+# its checkpoints keep no rerun state, so the rerun on another node gives 16, not 17), and fails
+# where there is none.
 rejected_verdict() {
   [[ -n $TRACKER && -f $TRACKER ]] || return 1
+  FIRST_NODE=
   read -r VERDICT ITERATION NODE FIRST_NODE < <(awk -v verdict_after="$TRACKER_LINES_BEFORE" \
                                                   -f examples/moe/rejected_results.awk \
                                                   "$TRACKER") || true
@@ -221,6 +225,12 @@ rejected_verdict() {
 }
 # True where megatron's reading of the tracker at its next start skips iteration $1.
 megatron_skips() { awk -f examples/moe/rejected_results.awk "$TRACKER" | grep -qx "$1"; }
+# True where a 16 for iteration $1 follows one an earlier attempt gave for it on another node:
+# two GPUs reproduced the NaN/Inf, so its batch is at fault, as megatron's 17 would say; and
+# megatron's next start skips it.
+reproduced_on_two_nodes() {
+  [[ -n $FIRST_NODE && $FIRST_NODE != "$NODE" ]] && megatron_skips "$1"
+}
 # Waits for background job $1 through the signals this shell traps (each ends a wait); sets
 # status to its exit status.
 wait_for_exit() {
@@ -233,6 +243,13 @@ wait_for_exit() {
 # status becomes megatron's.
 after_local_result_validation() {
   rejected_verdict || return 0
+  if [[ $VERDICT == FIRST_RERUN_REPRODUCIBLE ]] && reproduced_on_two_nodes "$ITERATION"; then
+    status=16
+    echo "[train.sh] iteration $ITERATION gave a NaN/Inf again when megatron reran it (exit 16)," \
+         "as it did on $FIRST_NODE: its batch, not a GPU. Run again: the next start skips" \
+         "iteration $ITERATION ($TRACKER) and trains on from $(flag_value --load)"
+    return 0
+  fi
   if [[ $VERDICT == FIRST_RERUN_REPRODUCIBLE ]]; then
     status=16
     echo "[train.sh] iteration $ITERATION gave a NaN/Inf again when megatron reran it (exit 16);" \
@@ -455,6 +472,20 @@ after_result_validation() {  # on a stop of the ranks; returns when the job is n
   # Holding or requeueing the job sends this shell SIGTERM: no rank is left to save.
   trap '' TERM
   # status: the job's exit code, megatron's again
+  if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]] && reproduced_on_two_nodes "$iteration"; then
+    status=16
+    echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
+         "(exit 16), as it did on $(slurm_node_of "$FIRST_NODE" "$(excluded_nodes | paste -sd, -)")" \
+         "(a checkpoint without rerun state, as fsdp_dtensor's, gives 16 on the second node" \
+         "too): its batch, not a GPU. Requeueing job $SLURM_JOB_ID: the next attempt skips" \
+         "iteration $iteration ($TRACKER) and trains on from $(flag_value --load)"
+    if requeue_without_exclusion_of "$FIRST_NODE" || scontrol requeue "$SLURM_JOB_ID"; then
+      exit 0
+    fi
+    echo "train.sh: scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it skips iteration" \
+         "$iteration" >&2
+    return 0
+  fi
   if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]]; then
     status=16
     excluded=$( (excluded_nodes; echo "$node") | paste -sd, -)  # keeps the job's own exclusions

@@ -542,14 +542,17 @@ def test_tiny_cpu_training_run_saves_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_run_stopped_by_a_nan_batch_says_how_to_skip_it(tmp_path, node_shim):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "fsdp_dtensor"])
+def test_local_run_stopped_by_a_nan_batch_says_how_to_skip_it(tmp_path, node_shim, ckpt_format):
     """A NaN loss at iteration 2 in one data-parallel replica's batch (tests/_bad_loss_entry.py,
     rank 1) of a local run: megatron reruns it in place, saves a checkpoint and exits 16, which
     torchrun turns into 1. train.sh exits 16 and says how to skip the batch on one machine, with
     the flag the command it names ends with (EXTRA_ARGS as printed). The run
     folder moved to another machine instead (tests/native/other_node_shim.c: megatron reads the
     host from uname) reruns iteration 2 there and exits 17: train.sh exits 17 saying that the
-    next start skips it."""
+    next start skips it. Under Megatron-FSDP (fsdp_dtensor checkpoints keep no rerun state) the
+    other machine's in-place rerun reproduces it and exits 16 again: train.sh says the same."""
+    fsdp = ckpt_format == "fsdp_dtensor"
     python = tmp_path / "python-bad-batch"  # runs tests/_bad_loss_entry.py for pretrain_moe.py
     python.write_text(f"""#!/bin/bash
 args=()
@@ -560,6 +563,9 @@ PYTHONPATH={ROOT} exec {sys.executable} "${{args[@]}}"
     run_dir = tmp_path / "run"
     env = dict(RUN_DIR=str(run_dir), NPROC="2", TRAIN_ITERS="3", SAVE_INTERVAL="100",
                PYTHON=str(python), BAD_LOSS="nan", BAD_LOSS_AT="2", BAD_LOSS_RANK="1")
+    if fsdp:
+        env["EXTRA_ARGS"] = ("--use-megatron-fsdp --data-parallel-sharding-strategy "
+                             "optim_grads_params --ckpt-format fsdp_dtensor")
     stopped = train_sh(timeout=600, **env)
     log = stopped.stdout + stopped.stderr
     assert stopped.returncode == 16, log[-4000:]
@@ -574,6 +580,13 @@ PYTHONPATH={ROOT} exec {sys.executable} "${{args[@]}}"
     shutil.copytree(run_dir, moved)
     elsewhere = train_sh(timeout=600, **{**env, "RUN_DIR": str(moved)},
                          LD_PRELOAD=str(node_shim), NODE_SHIM_NODENAME="othermachine")
+    if fsdp:
+        assert elsewhere.returncode == 16, (elsewhere.stdout + elsewhere.stderr)[-4000:]
+        assert re.search(r"\[train\.sh\] iteration 2 gave a NaN/Inf again when megatron reran "
+                         r"it \(exit 16\), as it did on \S+: its batch, not a GPU\. Run again: "
+                         r"the next start skips iteration 2", elsewhere.stdout), \
+            elsewhere.stdout[-4000:]
+        return
     assert elsewhere.returncode == 17, (elsewhere.stdout + elsewhere.stderr)[-4000:]
     assert ("[train.sh] iteration 2 gave a NaN/Inf on a second node (othermachine) too: its "
             "batch, not a GPU (exit 17). Run again: the next start skips iteration 2"

@@ -463,16 +463,27 @@ def test_time_limit_saves_first_and_the_requeued_job_continues(cluster):
     assert cluster.run("scancel", job.id).returncode == 0
 
 
-def test_a_batch_that_fails_on_two_nodes_is_skipped_and_the_job_trains_on(cluster, node_shim):
+# Megatron-FSDP's fsdp_dtensor checkpoints keep no rerun state: the rerun on the second node
+# starts as a fresh job would and exits 16 again, not 17.
+MEGATRON_FSDP = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+                 "--ckpt-format fsdp_dtensor")
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "fsdp_dtensor"])
+def test_a_batch_that_fails_on_two_nodes_is_skipped_and_the_job_trains_on(cluster, node_shim,
+                                                                           ckpt_format):
     """A NaN loss at iteration 2 in one data-parallel replica's batch (tests/_bad_loss_entry.py,
     rank 1), through train.sh's default --result-rejected-tracker-filename. Attempt 1 reruns it
     in place, megatron saves and exits 16, train.sh holds the job naming the node to exclude;
-    released elsewhere, attempt 2 reruns it from the checkpoint and exits 17, and train.sh,
+    released elsewhere, attempt 2 reruns it from the checkpoint and exits 17 (under
+    Megatron-FSDP 16 again, its in-place rerun reproducing it on the second node), and train.sh,
     finding that megatron's reading of the tracker skips iteration 2, lifts the first node's
     exclusion (its GPU was not at fault) and requeues; attempt 3 skips it and finishes.
     Megatron reads the node from uname: each rank runs under the shim with its Slurm node's name
     (both slurmd share this host)."""
-    ckpt, run_dir = cluster.root / "ckpt-bad-batch", cluster.root / "runs" / "bad-batch"
+    fsdp = ckpt_format == "fsdp_dtensor"
+    ckpt = cluster.root / f"ckpt-bad-batch-{ckpt_format}"
+    run_dir = cluster.root / "runs" / f"bad-batch-{ckpt_format}"
     wrapper = cluster.root / "python-bad-batch"
     wrapper.write_text(f"""#!/bin/bash
 shift  # pretrain_moe.py: tests/_bad_loss_entry.py runs it with the NaN
@@ -483,11 +494,13 @@ exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
     # MASTER_ADDR: the second node's name does not resolve (Cluster.submit). 2 tasks (EP 2 over
     # two data-parallel replicas): 4 took twice as long over three attempts. The job excludes a
     # node of its own, which train.sh's advice and its lifting of an exclusion keep.
-    job = cluster.submit("bad-batch", "--ntasks-per-node=2", f"--exclude={cluster.spare}",
+    job = cluster.submit(f"bad-batch-{ckpt_format}", "--ntasks-per-node=2",
+                         f"--exclude={cluster.spare}",
                          GPUS_PER_NODE="2", CKPT_DIR=str(ckpt), RUN_DIR=str(run_dir),
                          PYTHON=str(wrapper), MASTER_ADDR="127.0.0.1",
                          BAD_LOSS="nan", BAD_LOSS_AT="2", BAD_LOSS_RANK="1",
-                         TRAIN_ITERS="3", SAVE_INTERVAL="100")
+                         TRAIN_ITERS="3", SAVE_INTERVAL="100",
+                         **({"EXTRA_ARGS": MEGATRON_FSDP} if fsdp else {}))
     first_node, other_node = cluster.nodes
     job.wait_log(r"^\[train\.sh\] iteration 2 gave a NaN/Inf again", timeout=300)
     held = job.wait_state("PENDING", timeout=120)
@@ -501,14 +514,25 @@ exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
     # The user's command from the log; then the job starts without Slurm's 2-minute wait.
     assert cluster.run("bash", "-c", hold).returncode == 0
     job.release()
-    job.wait_log(r"^\[train\.sh\] iteration 2 gave a NaN/Inf on a second node", timeout=300)
+    second_verdict = (rf"^\[train\.sh\] iteration 2 gave a NaN/Inf again when megatron reran it "
+                      rf"on {other_node}" if fsdp else
+                      r"^\[train\.sh\] iteration 2 gave a NaN/Inf on a second node")
+    job.wait_log(second_verdict, timeout=300)
     job.release()
     assert job.wait_done(timeout=300)["JobState"] == "COMPLETED", job.log[-6000:]
     first, second, third = attempts(job.log)
     assert "First rerun: unexpected result is reproducible" in first
-    assert (f"[train.sh] iteration 2 gave a NaN/Inf on a second node ({other_node}) too: its "
-            f"batch, not a GPU (exit 17). Requeueing job {job.id}") in second, second[-3000:]
-    assert "Second rerun: unexpected result is reproducible on a different GPU" in second
+    if fsdp:
+        assert "First rerun: unexpected result is reproducible" in second, second[-3000:]
+        assert (f"[train.sh] iteration 2 gave a NaN/Inf again when megatron reran it on "
+                f"{other_node} (exit 16), as it did on {first_node} (a checkpoint without rerun "
+                f"state, as fsdp_dtensor's, gives 16 on the second node too): its batch, not a "
+                f"GPU. Requeueing job {job.id}") in second, second[-3000:]
+    else:
+        assert (f"[train.sh] iteration 2 gave a NaN/Inf on a second node ({other_node}) too: "
+                f"its batch, not a GPU (exit 17). Requeueing job {job.id}") in second, \
+            second[-3000:]
+        assert "Second rerun: unexpected result is reproducible on a different GPU" in second
     # the first node was not at fault: the exclusion the hold's advice added is lifted
     assert (f"[train.sh] {first_node} gave that NaN/Inf too and is not at fault: the job no "
             f"longer excludes it (ExcNodeList={cluster.spare})") in second, second[-3000:]
@@ -517,4 +541,5 @@ exec {sys.executable} {ROOT / "tests" / "_bad_loss_entry.py"} "$@"
     assert "Will skip these iterations from tracker file: [2]" in third, third[-4000:]
     assert sorted(losses(third)) == [3] and saved_iteration(ckpt) == 3, third[-4000:]
     tracker = (run_dir / "rejected_results.txt").read_text()
-    assert [re.search(r" rank=(\d+) ", line).group(1) for line in tracker.splitlines()] == ["1"] * 3
+    assert [re.search(r" rank=(\d+) ", line).group(1) for line in tracker.splitlines()] == \
+        ["1"] * (4 if fsdp else 3)
