@@ -69,6 +69,10 @@ def report_lines(args, config, microbatches: int) -> tuple[list[str], float]:
     if not_modelled:
         lines.append(f"[megatron_patches] activations: --recompute-modules "
                      f"{' '.join(not_modelled)} not modelled (counted as kept)")
+    if args.use_megatron_fsdp:
+        lines.append("[megatron_patches] memory: Megatron-FSDP's gathered weights and unsharded "
+                     "gradients are not in this total (the dry run, examples/moe/plan.py, prices "
+                     "them)")
     if args.fp8 or args.fp4:
         lines.append("[megatron_patches] activations: FP8/FP4 activations not modelled (counted "
                      "in the activation dtype: an over-estimate)")
@@ -136,7 +140,7 @@ PATCH = register(Patch(
     versions=">=0.19,<0.20",
     summary="the log's `Theoretical memory footprints` prices activations on the layers built "
             "(experts' top-k tokens, MLA, MTP, recompute, the pipeline schedule's micro-batches "
-            "in flight) with the dry run's model, for the busiest pipeline stage "
+            "in flight) with the dry run's model, for the pipeline stage holding the most "
             "(megatron.training.training.report_theoretical_memory)",
     not_needed_because=_not_needed_because,
     apply=_apply,
