@@ -397,8 +397,8 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory],
     peak, state = ranks[fullest], states[fullest]
     chunked = " chunk" if (args.virtual_pipeline_model_parallel_size or 1) > 1 else ""
     print(f"[plan] activations (moe_launcher.activation_memory: Transformer Engine's kernels, "
-          f"{activation_memory.recompute_said(args)}, experts' average share of tokens): a layer's activations "
-          f"{', '.join(f'{size(b)} ({k})' for k, b in kinds)} a micro-batch of "
+          f"{activation_memory.recompute_said(args)}, experts' average share of tokens): a "
+          f"layer's activations {', '.join(f'{size(b)} ({k})' for k, b in kinds)} a micro-batch of "
           f"{args.micro_batch_size} x {args.seq_length} tokens before recompute")
     then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
     if peak.loss:

@@ -60,8 +60,8 @@ def report_lines(args, config, microbatches: int) -> tuple[list[str], float]:
         f"[megatron_patches] activations (moe_launcher.activation_memory: {kernel_name}, "
         f"{activation_memory.recompute_said(args)}, experts' average share of tokens): {layers} "
         f"per micro-batch of {args.micro_batch_size} x {args.seq_length} tokens before recompute",
-        f"[megatron_patches] activations of the pipeline stage holding the most ({busiest.pp_rank}): "
-        f"{busiest.micro_batches} micro-batch{'es' if busiest.micro_batches > 1 else ''} in "
+        f"[megatron_patches] activations of the pipeline stage holding the most "
+        f"({busiest.pp_rank}): {busiest.micro_batches} micro-batch{'es' if busiest.micro_batches > 1 else ''} in "
         f"flight {busiest.in_flight / MEGABYTE:.2f} MB"
         + (f" + the larger of {' and '.join(then)}" if len(then) > 1
            else "".join(f" + {t}" for t in then))]
