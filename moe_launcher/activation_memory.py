@@ -388,6 +388,48 @@ def rank_activations(args, config, pattern: list[int], vocab: int, microbatches:
     return ranks
 
 
+# --------------------------------------------------------------------------------------------
+# In words: the dry run's lines and the training log's say the same things the same way
+# --------------------------------------------------------------------------------------------
+def estimate_said(args, pattern: list[int], kernels: str, size) -> str:
+    """What the figure prices: the kernels, the recompute, and a layer of each kind the pattern
+    builds a micro-batch (sizes in words by `size`)."""
+    kernel_name = ("Transformer Engine's kernels" if kernels == "te"
+                   else "the local spec's kernels")
+    built = set(map(bool, pattern))
+    layers = ", ".join(f"{size(layer_bytes(args, moe, kernels))} ({kind})"
+                       for kind, moe in (("MoE", True), ("dense", False)) if moe in built)
+    return (f"activations (moe_launcher.activation_memory: {kernel_name}, "
+            f"{recompute_said(args)}, experts' average share of tokens): a layer's activations "
+            f"{layers} a micro-batch of {args.micro_batch_size} x {args.seq_length} tokens "
+            f"before recompute")
+
+
+def peak_said(args, peak: RankActivations, size) -> str:
+    """A rank's peak in words: its (chunk) micro-batches in flight, plus the larger of a
+    recomputed block and a micro-batch's logits and loss (sizes by `size`)."""
+    chunked = " chunk" if (args.virtual_pipeline_model_parallel_size or 1) > 1 else ""
+    then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
+    if peak.loss:
+        then.append(f"a micro-batch's logits and loss {size(peak.loss + peak.logits)}")
+    return (f"{peak.micro_batches}{chunked} micro-batch{'es' if peak.micro_batches > 1 else ''} "
+            f"in flight {size(peak.in_flight)}"
+            + (f" + the larger of {' and '.join(then)}" if len(then) > 1
+               else "".join(f" + {t}" for t in then)))
+
+
+def not_modelled_said(args) -> list[str]:
+    """What the figure counts otherwise than the run keeps it."""
+    notes = []
+    if args.fp8 or args.fp4:
+        notes.append("FP8/FP4 activations not modelled (counted in the activation dtype: an "
+                     "over-estimate)")
+    if not_modelled := recompute_not_modelled(args):
+        notes.append(f"--recompute-modules {' '.join(not_modelled)} not modelled (counted as "
+                     f"kept)")
+    return notes
+
+
 def recompute_said(args) -> str:
     """The run's recompute, in words."""
     if args.recompute_granularity == "full":

@@ -390,33 +390,16 @@ def activations_per_gpu(args, config, layout: Layout, states: list[Memory],
     microbatches = args.global_batch_size // (args.micro_batch_size * layout.dp)
     ranks = activation_memory.rank_activations(args, config, layout.moe_pattern,
                                                padded_vocab(args), microbatches)
-    built = set(map(bool, layout.moe_pattern))
-    kinds = [(kind, activation_memory.layer_bytes(args, moe))
-             for kind, moe in (("MoE", True), ("dense", False)) if moe in built]
     fullest = max(range(len(ranks)), key=lambda r: states[r].total + ranks[r].total)
     peak, state = ranks[fullest], states[fullest]
-    chunked = " chunk" if (args.virtual_pipeline_model_parallel_size or 1) > 1 else ""
-    print(f"[plan] activations (moe_launcher.activation_memory: Transformer Engine's kernels, "
-          f"{activation_memory.recompute_said(args)}, experts' average share of tokens): a "
-          f"layer's activations {', '.join(f'{size(b)} ({k})' for k, b in kinds)} a micro-batch of "
-          f"{args.micro_batch_size} x {args.seq_length} tokens before recompute")
-    then = [f"a recomputed block {size(peak.rebuilt)}"] if peak.rebuilt else []
-    if peak.loss:
-        then.append(f"a micro-batch's logits and loss {size(peak.loss + peak.logits)}")
-    print(f"[plan] busiest GPU (pipeline stage {fullest}): {peak.micro_batches}{chunked} "
-          f"micro-batch{'es' if peak.micro_batches > 1 else ''} in flight "
-          f"{size(peak.in_flight)}" + (f" + the larger of {' and '.join(then)}" if len(then) > 1
-                                       else "".join(f" + {t}" for t in then))
+    print(f"[plan] {activation_memory.estimate_said(args, layout.moe_pattern, 'te', size)}")
+    print(f"[plan] busiest GPU (pipeline stage {fullest}): "
+          f"{activation_memory.peak_said(args, peak, size)}"
           + f" + parameters and optimizer {size(state.total)}"
           + (f" + Megatron-FSDP buffers {size(buffers)}" if buffers else "")
           + f" = {size(state.total + peak.total + buffers)}")
-    if args.fp8 or args.fp4:
-        print("[plan] activations: FP8/FP4 activations not modelled (counted in the activation "
-              "dtype: an over-estimate)")
-    not_modelled = activation_memory.recompute_not_modelled(args)
-    if not_modelled:
-        print(f"[plan] activations: --recompute-modules {' '.join(not_modelled)} not modelled "
-              f"(counted as kept)")
+    for note in activation_memory.not_modelled_said(args):
+        print(f"[plan] activations: {note}")
     return state.total + peak.total + buffers
 
 

@@ -38,8 +38,13 @@ def kernels_of(args) -> str:
     return "te" if args.transformer_impl == "transformer_engine" else "local"
 
 
+def megabytes(nbytes: float) -> str:
+    return f"{nbytes / MEGABYTE:.2f} MB"
+
+
 def report_lines(args, config, microbatches: int) -> tuple[list[str], float]:
-    """(the lines that say what was priced, the busiest pipeline stage's activation bytes)."""
+    """(the lines that say what was priced, the activation bytes of the pipeline stage holding
+    the most)."""
     from moe_launcher.preflight import moe_pattern
 
     kernels = kernels_of(args)
@@ -47,35 +52,16 @@ def report_lines(args, config, microbatches: int) -> tuple[list[str], float]:
     ranks = activation_memory.rank_activations(args, config, pattern, args.padded_vocab_size,
                                                microbatches, kernels)
     busiest = max(ranks, key=lambda rank: rank.total)
-    layers = ", ".join(
-        f"a {kind} layer {activation_memory.layer_bytes(args, moe, kernels) / MEGABYTE:.2f} MB"
-        for kind, moe in (("MoE", True), ("dense", False)) if moe in set(map(bool, pattern)))
-    kernel_name = ("Transformer Engine's kernels" if kernels == "te"
-                   else "the local spec's kernels")
-    then = [f"a recomputed block {busiest.rebuilt / MEGABYTE:.2f} MB"] if busiest.rebuilt else []
-    if busiest.loss:
-        then.append(f"a micro-batch's logits and loss "
-                    f"{(busiest.loss + busiest.logits) / MEGABYTE:.2f} MB")
     lines = [
-        f"[megatron_patches] activations (moe_launcher.activation_memory: {kernel_name}, "
-        f"{activation_memory.recompute_said(args)}, experts' average share of tokens): {layers} "
-        f"per micro-batch of {args.micro_batch_size} x {args.seq_length} tokens before recompute",
+        f"[megatron_patches] {activation_memory.estimate_said(args, pattern, kernels, megabytes)}",
         f"[megatron_patches] activations of the pipeline stage holding the most "
-        f"({busiest.pp_rank}): {busiest.micro_batches} micro-batch{'es' if busiest.micro_batches > 1 else ''} in "
-        f"flight {busiest.in_flight / MEGABYTE:.2f} MB"
-        + (f" + the larger of {' and '.join(then)}" if len(then) > 1
-           else "".join(f" + {t}" for t in then))]
-    not_modelled = activation_memory.recompute_not_modelled(args)
-    if not_modelled:
-        lines.append(f"[megatron_patches] activations: --recompute-modules "
-                     f"{' '.join(not_modelled)} not modelled (counted as kept)")
+        f"({busiest.pp_rank}): {activation_memory.peak_said(args, busiest, megabytes)}"]
+    lines += [f"[megatron_patches] activations: {note}"
+              for note in activation_memory.not_modelled_said(args)]
     if args.use_megatron_fsdp:
         lines.append("[megatron_patches] memory: Megatron-FSDP's gathered weights and unsharded "
                      "gradients are not in this total (the dry run, examples/moe/plan.py, prices "
                      "them)")
-    if args.fp8 or args.fp4:
-        lines.append("[megatron_patches] activations: FP8/FP4 activations not modelled (counted "
-                     "in the activation dtype: an over-estimate)")
     return lines, busiest.total
 
 
