@@ -472,21 +472,7 @@ after_result_validation() {  # on a stop of the ranks; returns when the job is n
   # Holding or requeueing the job sends this shell SIGTERM: no rank is left to save.
   trap '' TERM
   # status: the job's exit code, megatron's again
-  if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]] && reproduced_on_two_nodes "$iteration"; then
-    status=16
-    echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
-         "(exit 16), as it did on $(slurm_node_of "$FIRST_NODE" "$(excluded_nodes | paste -sd, -)")" \
-         "(a checkpoint without rerun state, as fsdp_dtensor's, gives 16 on the second node" \
-         "too): its batch, not a GPU. Requeueing job $SLURM_JOB_ID: the next attempt skips" \
-         "iteration $iteration ($TRACKER) and trains on from $(flag_value --load)"
-    if requeue_without_exclusion_of "$FIRST_NODE" || scontrol requeue "$SLURM_JOB_ID"; then
-      exit 0
-    fi
-    echo "train.sh: scontrol requeue $SLURM_JOB_ID failed: resubmit the job; it skips iteration" \
-         "$iteration" >&2
-    return 0
-  fi
-  if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]]; then
+  if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]] && ! reproduced_on_two_nodes "$iteration"; then
     status=16
     excluded=$( (excluded_nodes; echo "$node") | paste -sd, -)  # keeps the job's own exclusions
     echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
@@ -500,16 +486,25 @@ after_result_validation() {  # on a stop of the ranks; returns when the job is n
            "--exclude=$node; it reruns iteration $iteration from $(flag_value --load)" >&2
     return 0
   fi
-  status=17
-  if ! megatron_skips "$iteration"; then
-    echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too, but" \
-         "megatron does not skip it (several ranks of a job failed it, see $TRACKER): the job" \
-         "stops (exit 17)"
-    return 0
+  if [[ $verdict == FIRST_RERUN_REPRODUCIBLE ]]; then  # a 16 after another node's 16
+    status=16
+    echo "[train.sh] iteration $iteration gave a NaN/Inf again when megatron reran it on $node" \
+         "(exit 16), as it did on $(slurm_node_of "$FIRST_NODE" "$(excluded_nodes | paste -sd, -)")" \
+         "(a checkpoint without rerun state, as fsdp_dtensor's, gives 16 on the second node" \
+         "too): its batch, not a GPU. Requeueing job $SLURM_JOB_ID: the next attempt skips" \
+         "iteration $iteration ($TRACKER) and trains on from $(flag_value --load)"
+  else
+    status=17
+    if ! megatron_skips "$iteration"; then
+      echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too, but" \
+           "megatron does not skip it (several ranks of a job failed it, see $TRACKER): the job" \
+           "stops (exit 17)"
+      return 0
+    fi
+    echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too: its" \
+         "batch, not a GPU (exit 17). Requeueing job $SLURM_JOB_ID: the next attempt skips" \
+         "iteration $iteration ($TRACKER) and trains on from $(flag_value --load)"
   fi
-  echo "[train.sh] iteration $iteration gave a NaN/Inf on a second node ($node) too: its batch," \
-       "not a GPU (exit 17). Requeueing job $SLURM_JOB_ID: the next attempt skips iteration" \
-       "$iteration ($TRACKER) and trains on from $(flag_value --load)"
   if requeue_without_exclusion_of "$FIRST_NODE" || scontrol requeue "$SLURM_JOB_ID"; then
     exit 0
   fi
