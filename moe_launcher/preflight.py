@@ -268,6 +268,78 @@ def check_training_length(args) -> None:
                                               "pass --train-iters N (or --train-samples N)")
 
 
+@preflight_check("learning-rate-schedule")
+def check_learning_rate_schedule(args) -> None:
+    """megatron-core 0.19.2 builds its learning-rate and weight-decay schedule
+    (training.get_optimizer_param_scheduler, OptimizerParamScheduler) after the model, and a
+    schedule it cannot run fails there on every rank: bare AssertionErrors (a short smoke run
+    with train.sh's TRAIN_ITERS below a GPU recipe's --lr-warmup-iters 2000), a TypeError for
+    an unset --lr. The same rules, refused before any work."""
+    if args.train_iters is None and args.train_samples is None:
+        return  # training-length refuses it
+    if args.lr is None:
+        raise PreflightError("--lr", "--lr is unset: megatron's optimizer and learning-rate "
+                                     "schedule need a peak learning rate; fix: pass --lr "
+                                     "(e.g. --lr 3e-4)")
+    by_iterations = bool(args.train_iters)
+    unit = "iterations" if by_iterations else "samples"
+    length_flag, decay_flag, warmup_flag, wsd_flag = (
+        ("--train-iters", "--lr-decay-iters", "--lr-warmup-iters", "--lr-wsd-decay-iters")
+        if by_iterations else
+        ("--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples"))
+    decay_given = args.lr_decay_iters if by_iterations else args.lr_decay_samples
+    decay = decay_given if decay_given is not None else (
+        args.train_iters if by_iterations else args.train_samples)
+    decay_named = (f"{decay_flag} {decay}" if decay_given is not None
+                   else f"{length_flag} {decay}, the decay's default length")
+    warmup = args.lr_warmup_iters if by_iterations else args.lr_warmup_samples
+    if decay < 1:
+        raise PreflightError(decay_flag, f"{decay_flag} {decay}: the learning rate would decay "
+                                         f"over no {unit}; fix: pass {decay_flag} 1 or more, or "
+                                         f"drop it (it then decays over {length_flag})")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_fraction >= 1:
+        raise PreflightError("--lr-warmup-fraction",
+                             f"--lr-warmup-fraction {args.lr_warmup_fraction}: the warmup must "
+                             f"end before the decay does ({decay_named}); fix: pass a fraction "
+                             "below 1")
+    if args.lr_warmup_fraction is None and warmup >= decay:
+        longer = (f"or a longer {length_flag} (train.sh: TRAIN_ITERS)" if decay_given is None
+                  else f"or a longer {decay_flag}")
+        raise PreflightError(warmup_flag,
+                             f"{warmup_flag} {warmup} is not below the {decay} {unit} the "
+                             f"learning rate decays over ({decay_named}); fix: pass "
+                             f"{warmup_flag} below {decay}, {longer}")
+    wsd_decay = args.lr_wsd_decay_iters if by_iterations else args.lr_wsd_decay_samples
+    if args.lr_decay_style == "WSD" and wsd_decay is None:
+        raise PreflightError(wsd_flag, f"--lr-decay-style WSD without {wsd_flag}: megatron's WSD "
+                                       f"schedule needs the length of its final decay; fix: pass "
+                                       f"{wsd_flag} N")
+    if not 0 <= args.min_lr <= args.lr:
+        raise PreflightError("--min-lr", f"--min-lr {args.min_lr} with --lr {args.lr}: the "
+                                         "minimum learning rate must lie between 0 and --lr; "
+                                         "fix: pass --min-lr in that range")
+    if args.lr_warmup_init > args.lr:
+        raise PreflightError("--lr-warmup-init",
+                             f"--lr-warmup-init {args.lr_warmup_init} is above --lr {args.lr}: "
+                             "the warmup rises from it to --lr; fix: pass --lr-warmup-init at "
+                             f"most {args.lr}")
+    constant = args.weight_decay_incr_style == "constant"
+    start, end = ((args.weight_decay, args.weight_decay) if constant
+                  else (args.start_weight_decay, args.end_weight_decay))
+    if start is not None and end is not None and not 0 <= start <= end:
+        raise PreflightError(
+            "--weight-decay" if constant else "--start-weight-decay",
+            f"weight decay from {start} to {end}: megatron's schedule keeps or raises a "
+            "non-negative weight decay; fix: pass " + (
+                "--weight-decay 0 or more" if constant else
+                "--start-weight-decay 0 or more and --end-weight-decay at least as large"))
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise PreflightError("--override-opt_param-scheduler",
+                             "--override-opt_param-scheduler with --use-checkpoint-opt_param-"
+                             "scheduler: the first takes this command line's schedule, the "
+                             "second the checkpoint's; fix: pass one of them")
+
+
 @preflight_check("checkpoint-format")
 def check_checkpoint_format(args) -> None:
     # Megatron-FSDP in 0.19.2 saves only fsdp_dtensor.

@@ -34,9 +34,7 @@ def launcher_checks():
 
 def judge(world: int, argv: list[str], monkeypatch) -> str | None:
     """None when every check before work passes; else the refusal line."""
-    from moe_launcher.platform_defaults import (
-        set_environment_defaults, with_logging_defaults, with_model_defaults,
-        with_platform_defaults)
+    from moe_launcher.platform_defaults import set_environment_defaults
     from moe_launcher.preflight import check_gpu_request
     from moe_launcher.runtime.refusals import PreflightError
 
@@ -49,11 +47,19 @@ def judge(world: int, argv: list[str], monkeypatch) -> str | None:
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the entry sets megatron's argv
     try:
         check_gpu_request(argv, cuda_available=False)
-        argv, _ = with_platform_defaults(argv, on_cpu=True)
-        argv, _ = with_model_defaults(argv)
-        argv, _ = with_logging_defaults(argv)
         with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every argument
-            entry(argv)
+            entry(with_launcher_defaults(argv))
         return None
     except PreflightError as error:
         return error.line()
+
+
+def with_launcher_defaults(argv: list[str]) -> list[str]:
+    """argv with the defaults pretrain_moe.main adds on a machine without CUDA."""
+    from moe_launcher.platform_defaults import (
+        with_logging_defaults, with_model_defaults, with_platform_defaults)
+
+    argv, _ = with_platform_defaults(argv, on_cpu=True)
+    argv, _ = with_model_defaults(argv)
+    argv, _ = with_logging_defaults(argv)
+    return argv

@@ -13,12 +13,15 @@ message is printed once.
 from __future__ import annotations
 
 import os
+import contextlib
+import io
 import re
 import time
+import types
 
 import pytest
 
-from _judge import judge
+from _judge import judge, with_launcher_defaults
 from _launch import REPO, TINY_MODEL, launch
 
 
@@ -206,6 +209,79 @@ def test_gated_delta_net_at_tp_needs_sequence_parallelism():
     for fine in (args("GGG*-E", 2, True), args("GGG*-E", 1, False), args("MM*-E", 2, False),
                  args(None, 4, False)):
         assert check(fine) is None
+
+
+# Learning-rate schedules on BASE (--train-iters 2, --lr 1e-3): the flag a refusal names, or
+# None where megatron builds the schedule.
+SCHEDULES = {
+    "warmup-as-long-as-training": (["--lr-warmup-iters", "2"], "--lr-warmup-iters"),
+    "warmup-shorter-than-training": (["--lr-warmup-iters", "1"], None),
+    "warmup-as-long-as-the-decay": (["--train-iters", "4", "--lr-decay-iters", "2",
+                                     "--lr-warmup-iters", "2"], "--lr-warmup-iters"),
+    "decay-over-no-iterations": (["--lr-decay-iters", "0"], "--lr-decay-iters"),
+    "warmup-fraction-of-one": (["--lr-warmup-fraction", "1.0"], "--lr-warmup-fraction"),
+    "warmup-fraction-of-a-half": (["--lr-warmup-fraction", "0.5"], None),
+    "samples-warmup-as-long-as-training": ([*without(BASE, "--train-iters", 1), "--train-samples",
+                                            "32", "--lr-warmup-samples", "32"],
+                                           "--lr-warmup-samples"),
+    "samples-warmup-shorter": ([*without(BASE, "--train-iters", 1), "--train-samples", "32",
+                                "--lr-warmup-samples", "16"], None),
+    "wsd-without-its-decay": (["--lr-decay-style", "WSD"], "--lr-wsd-decay-iters"),
+    "wsd-with-its-decay": (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "1"], None),
+    "min-lr-above-lr": (["--min-lr", "1e-2"], "--min-lr"),
+    "negative-min-lr": (["--min-lr", "-1e-4"], "--min-lr"),
+    "warmup-starting-above-lr": (["--lr-warmup-init", "1e-2"], "--lr-warmup-init"),
+    "negative-weight-decay": (["--weight-decay", "-0.1"], "--weight-decay"),
+    "falling-weight-decay": (["--weight-decay-incr-style", "linear", "--start-weight-decay",
+                              "0.1", "--end-weight-decay", "0.01"], "--start-weight-decay"),
+    "rising-weight-decay": (["--weight-decay-incr-style", "linear", "--start-weight-decay",
+                             "0.01", "--end-weight-decay", "0.1"], None),
+    "override-and-use-checkpoint-schedule": (["--override-opt_param-scheduler",
+                                              "--use-checkpoint-opt_param-scheduler"],
+                                             "--override-opt_param-scheduler"),
+    "no-lr": (without(BASE, "--lr", 1), "--lr"),
+}
+
+
+def megatron_schedule_failure(argv: list[str]) -> str | None:
+    """What megatron-core itself makes of these flags: its validation and then its
+    get_optimizer_param_scheduler (which training runs after building the model) on the args it
+    validated, this project's checks left out. None where it builds the schedule."""
+    from megatron.training import global_vars, training
+
+    from moe_launcher.megatron_validation import parse_command_line, validated_args
+    from moe_launcher.runtime.refusals import PreflightError
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            args = validated_args(parse_command_line(with_launcher_defaults(argv)))
+            global_vars.set_args(args)
+            training.get_optimizer_param_scheduler(types.SimpleNamespace(param_groups=[{}]))
+    except PreflightError as error:
+        return error.line()  # megatron's validate_args failed (the launcher refuses that too)
+    except Exception as error:  # noqa: BLE001 -- whatever megatron's scheduler raises
+        return f"{type(error).__name__}: {error}"
+    finally:
+        global_vars.unset_global_variables()
+    return None
+
+
+@pytest.mark.parametrize("case", SCHEDULES)
+def test_a_schedule_megatron_cannot_build_is_refused_before_work(case, monkeypatch):
+    """megatron-core 0.19.2 builds the learning-rate schedule after the model: one it cannot run
+    failed there on every rank (bare AssertionErrors; a TypeError without --lr). The reference
+    is megatron's own get_optimizer_param_scheduler: the launcher refuses exactly the schedules
+    it fails on, naming the flag."""
+    extra, flag = SCHEDULES[case]
+    argv = extra if extra[0] == BASE[0] else [*BASE, *extra]
+    line = judge(1, argv, monkeypatch)
+    megatron = megatron_schedule_failure(argv)
+    if flag is None:
+        assert (line, megatron) == (None, None)
+        return
+    assert megatron is not None, f"{case}: megatron builds this schedule"
+    assert line is not None and line.startswith("pretrain_moe: error: "), (case, megatron)
+    assert flag in line and "fix: " in line, line
 
 
 def test_mtp_per_token_loss_passes_where_every_micro_batch_has_the_same_counts(monkeypatch):
