@@ -11,43 +11,20 @@ torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only. Registe
 from __future__ import annotations
 
 import os
-import tempfile
 
 from moe_launcher.checkpoint_files import save_continuity
 from moe_launcher.checkpoint_files.commit_protocol import TRACKER, loaded_iteration_dir
 from moe_launcher.checkpoint_files.metadata import (
     UnreadableCheckpoint, read_checkpoint_metadata, saved_backend)
-from moe_launcher.preflight import preflight_check
+from moe_launcher.preflight import preflight_check, refuse_unwritable_folder
 from moe_launcher.runtime.refusals import PreflightError
 
 
 
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
 @preflight_check("save-writable", machine=True)
 def check_save_writable(args) -> None:
-    # Probed, not guessed (root passes every permission test, and a read-only mount or /proc
-    # refuses root too): a temporary folder made and removed in --save, or in the nearest
-    # folder above it that exists, so nothing is left behind.
-    if not args.save:
-        return
-    existing = _nearest_existing(args.save)
-    if not os.path.isdir(existing):
-        raise PreflightError("--save", f"--save {args.save}: {existing} is a file, not a folder; "
-                                       "fix: pass a folder path for --save")
-    try:
-        tempfile.TemporaryDirectory(dir=existing, prefix=".pretrain_moe-write-probe-").cleanup()
-    except OSError as error:
-        where = ("" if existing == os.path.abspath(args.save)
-                 else f" (it would be made in {existing})")
-        raise PreflightError("--save", f"--save {args.save} cannot be written{where}: "
-                                       f"{error.strerror}; fix: pass a --save folder you can "
-                                       "write") from None
+    if args.save:
+        refuse_unwritable_folder("--save", args.save)
 
 
 @preflight_check("load-exists", machine=True)

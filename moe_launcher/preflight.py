@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from typing import Callable
 
 from moe_launcher.command_line import flag_value
@@ -235,12 +236,41 @@ def check_tp_cp(args) -> None:
 
 @preflight_check("positive-sizes")
 def check_positive_sizes(args) -> None:
-    # megatron divides by --micro-batch-size (ZeroDivisionError) and asserts on --train-iters 0.
+    # megatron divides by --micro-batch-size (ZeroDivisionError) and asserts on --train-iters 0;
+    # --log-interval 0 and --eval-interval 0 divide by zero at the first iteration's log and
+    # evaluation test, --seq-length 0 fails in the model's first forward.
     for flag, value in (("--micro-batch-size", args.micro_batch_size),
-                        ("--train-iters", args.train_iters)):
+                        ("--train-iters", args.train_iters),
+                        ("--log-interval", args.log_interval),
+                        ("--eval-interval", args.eval_interval),
+                        ("--seq-length", args.seq_length)):
         if value is not None and value < 1:
             raise PreflightError(flag, f"{flag} {value}: it must be at least 1; fix: pass "
                                        f"{flag} 1 or more")
+    if args.num_workers < 0:  # torch's DataLoader raises at the first batch
+        raise PreflightError("--num-workers", f"--num-workers {args.num_workers}: data loader "
+                                              "processes cannot be fewer than none; fix: pass "
+                                              "--num-workers 0 or more")
+    # torch's dropout raises at the model's first forward on every rank.
+    for flag, value in (("--hidden-dropout", args.hidden_dropout),
+                        ("--attention-dropout", args.attention_dropout)):
+        if not 0 <= value <= 1:
+            raise PreflightError(flag, f"{flag} {value}: a dropout probability lies between 0 "
+                                       f"and 1; fix: pass {flag} in that range")
+
+
+@preflight_check("attention-head-groups")
+def check_attention_head_groups(args) -> None:
+    # megatron-core 0.19.2's TransformerConfig takes query groups that do not divide the heads;
+    # its attention then fails reshaping q/k/v at the first forward, on every rank.
+    if not args.group_query_attention or args.multi_latent_attention:
+        return
+    heads, groups = args.num_attention_heads, args.num_query_groups
+    if heads and groups and heads % groups:
+        raise PreflightError("--num-query-groups",
+                             f"--num-query-groups {groups} does not divide --num-attention-heads "
+                             f"{heads}: every query group serves the same number of heads; fix: "
+                             f"pass a --num-query-groups that divides {heads}")
 
 
 @preflight_check("batch-split")
@@ -522,6 +552,50 @@ def check_result_rejected_tracker(args) -> None:
                                "can write (every job of the run appends to the same file)")
 
 
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def refuse_unwritable_folder(flag: str, folder: str) -> None:
+    """PreflightError where `folder` (made if missing) cannot be written. Probed, not guessed
+    (root passes every permission test, and a read-only mount or /proc refuses root too): a
+    temporary folder made and removed in `folder`, or in the nearest folder above it that
+    exists, so nothing is left behind."""
+    existing = _nearest_existing(folder)
+    if not os.path.isdir(existing):
+        raise PreflightError(flag, f"{flag} {folder}: {existing} is a file, not a folder; fix: "
+                                   f"pass a folder path for {flag}")
+    try:
+        tempfile.TemporaryDirectory(dir=existing, prefix=".pretrain_moe-write-probe-").cleanup()
+    except OSError as error:
+        where = "" if existing == os.path.abspath(folder) else f" (it would be made in {existing})"
+        raise PreflightError(flag, f"{flag} {folder} cannot be written{where}: "
+                                   f"{error.strerror}; fix: pass a {flag} folder you can "
+                                   "write") from None
+
+
+@preflight_check("logging-folders", machine=True)
+def check_logging_folders(args) -> None:
+    """megatron-core 0.19.2 makes its TensorBoard writer and its wandb run on the last rank
+    alone (global_vars._set_tensorboard_writer, _set_wandb_writer): a folder it cannot write,
+    or wandb with no folder at all (its run goes in --wandb-save-dir, else --save/wandb), failed
+    that one rank, torchrun stopped the others, and no rank said why (the launcher's refusal
+    line is rank 0's). Judged on every rank alike."""
+    if args.wandb_project and not (args.wandb_save_dir or args.save):
+        raise PreflightError("--wandb-save-dir",
+                             f"--wandb-project {args.wandb_project} without --wandb-save-dir or "
+                             "--save: megatron puts the wandb run in --wandb-save-dir, else in "
+                             "--save/wandb; fix: pass --wandb-save-dir DIR")
+    # (--save is save-writable's; the launcher's --tensorboard-dir for wandb lies in this one)
+    if args.wandb_project and args.wandb_save_dir:
+        refuse_unwritable_folder("--wandb-save-dir", args.wandb_save_dir)
+    if args.tensorboard_dir:
+        refuse_unwritable_folder("--tensorboard-dir", args.tensorboard_dir)
+
+
 @preflight_check("tokenizer-model-folder", machine=True)
 def check_tokenizer_model_folder(args) -> None:
     # megatron's HuggingFaceTokenizer hands --tokenizer-model to transformers' AutoTokenizer,
@@ -554,6 +628,13 @@ def check_router_top_k(args) -> None:
                              f"--moe-router-topk {top_k} with --num-experts {experts}: no token "
                              f"would reach an expert, so the experts would never train; fix: "
                              f"pass --moe-router-topk 1 or more")
+    capacity = args.moe_expert_capacity_factor
+    if capacity is not None and capacity <= 0:  # megatron's get_capacity: room for no token
+        raise PreflightError("--moe-expert-capacity-factor",
+                             f"--moe-expert-capacity-factor {capacity}: no expert would have "
+                             "room for a token, so every token would be dropped and the experts "
+                             "would never train; fix: pass a positive factor (1.0 or more drops "
+                             "few tokens), or drop the flag for dropless routing")
     if top_k > experts:
         raise PreflightError("--moe-router-topk",
                              f"--moe-router-topk {top_k} is more than --num-experts {experts}: "

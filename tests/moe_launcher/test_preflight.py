@@ -20,6 +20,7 @@ import time
 import types
 
 import pytest
+import torch
 
 from _judge import judge, with_launcher_defaults
 from _launch import REPO, TINY_MODEL, launch
@@ -79,8 +80,26 @@ CASES = {
     "router-top-k-zero": (1, ["--moe-router-topk", "0"], "--moe-router-topk"),
     "micro-batch-size-zero": (1, ["--micro-batch-size", "0"], "--micro-batch-size"),
     "train-iters-zero": (1, ["--train-iters", "0"], "--train-iters"),
+    # megatron divides by these at the first iteration (ZeroDivisionError on every rank).
+    "log-interval-zero": (1, ["--log-interval", "0"], "--log-interval"),
+    "eval-interval-zero": (1, ["--eval-interval", "0"], "--eval-interval"),
+    # torch raises at the first forward or batch, on every rank.
+    "seq-length-zero": (1, ["--seq-length", "0"], "--seq-length"),
+    "dropout-above-one": (1, ["--hidden-dropout", "2"], "--hidden-dropout"),
+    "negative-data-loader-workers": (1, ["--num-workers", "-1"], "--num-workers"),
+    # megatron's attention fails at the first forward (test_..._without_the_check below).
+    "query-groups-not-dividing-heads": (1, ["--group-query-attention", "--num-query-groups", "3"],
+                                        "--num-query-groups"),
+    # megatron drops every token (below): experts that never train, without a word.
+    "expert-capacity-factor-zero": (1, ["--moe-expert-capacity-factor", "0"],
+                                    "--moe-expert-capacity-factor"),
     "layernorm-1p-on-the-local-spec": (1, ["--apply-layernorm-1p"], "--apply-layernorm-1p"),
     "load-is-a-file": (1, ["--load", "/etc/hostname"], "--load"),
+    # megatron makes its TensorBoard writer and wandb run on the last rank only (test below).
+    "tensorboard-dir-unwritable": (2, ["--tensorboard-dir", "/proc/tensorboard"],
+                                   "--tensorboard-dir /proc/tensorboard cannot be written"),
+    "wandb-save-dir-unwritable": (2, ["--wandb-project", "p", "--wandb-save-dir", "/proc/wandb"],
+                                  "--wandb-save-dir /proc/wandb cannot be written"),
     "load-holds-no-checkpoint": (1, ["--load", str(REPO / "examples")], "--load"),
     # megatron-core 0.19.2 would build the pattern's 3 layers and drop --num-layers silently.
     "hybrid-pattern-length-differs-from-num-layers": (1, ["--hybrid-layer-pattern", "*E*"],
@@ -140,7 +159,9 @@ def case_command_line(case: str, save) -> tuple[int, list[str], str]:
     flags = flags if flags and flags[0] == BASE[0] else [*BASE, *flags]
     if case != "save-without-save-interval":
         flags = [*flags, "--save-interval", "1"]
-    return world, [*flags, "--save", str(save), "--eval-interval", "1000"], flag
+    if "--eval-interval" not in flags[len(BASE):]:
+        flags = [*flags, "--eval-interval", "1000"]
+    return world, [*flags, "--save", str(save)], flag
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -290,6 +311,61 @@ def test_mtp_per_token_loss_passes_where_every_micro_batch_has_the_same_counts(m
     assert judge(1, [*BASE, "--mtp-num-layers", "1", "--calculate-per-token-loss"],
                  monkeypatch) is None
     assert judge(1, [*BASE, "--mtp-num-layers", "1", "--eod-mask-loss"], monkeypatch) is None
+
+
+def test_without_the_checks_megatron_fails_on_query_groups_and_drops_every_token():
+    """What attention-head-groups and the capacity rule of router-top-k refuse, on megatron-core's
+    own modules: its config takes 3 query groups for 4 heads and its attention then fails at the
+    first forward; a capacity factor of 0 gives every expert room for no token, so megatron's
+    token dropping empties the routing map (a MoE that trains no expert)."""
+    from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+
+    import _megatron_cpu as cpu
+
+    model = cpu.build_gpt(cpu.tiny_config(num_query_groups=3), 16)
+    with pytest.raises(RuntimeError, match="is invalid for input of size"):
+        cpu.train_step_loss(model, batch=2, seq_length=16)
+
+    probs = torch.rand(64, 8).softmax(-1)
+    chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(1, probs.topk(2).indices, True)
+    _, kept = apply_router_token_dropping(probs, chosen, router_topk=2, capacity_factor=0.0)
+    assert chosen.sum() == 128 and kept.sum() == 0
+
+
+def test_wandb_needs_a_folder_of_its_own_or_save(monkeypatch, tmp_path):
+    argv = [*BASE, "--wandb-project", "p", "--eval-interval", "1000"]
+    line = judge(2, argv, monkeypatch)
+    assert line is not None and "--wandb-save-dir" in line and "fix: " in line, line
+    assert judge(2, [*argv, "--wandb-save-dir", str(tmp_path / "wandb")], monkeypatch) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_the_check_megatron_fails_one_rank_on_its_logging_folders(tmp_path):
+    """What logging-folders spares a run: megatron-core's own global_vars make the TensorBoard
+    writer and the wandb run on the last rank only, so an unwritable --tensorboard-dir, or wandb
+    with neither --wandb-save-dir nor --save, fails that rank alone (torchrun stops the others;
+    the launcher's refusal line is rank 0's, so the run stopped without a word why)."""
+    import argparse
+
+    from megatron.training import global_vars
+
+    def made(rank: int, **flags):
+        args = argparse.Namespace(**{
+            "rank": rank, "world_size": 2, "tensorboard_dir": None, "tensorboard_queue_size": 1,
+            "wandb_project": "", "wandb_exp_name": "t", "wandb_save_dir": None,
+            "wandb_entity": "", "save": None, **flags})
+        try:
+            global_vars._set_tensorboard_writer(args)
+            global_vars._set_wandb_writer(args)
+            return None
+        except Exception as error:  # noqa: BLE001 -- whatever megatron raises
+            return type(error).__name__
+        finally:
+            global_vars.unset_global_variables()
+
+    unwritable = {"tensorboard_dir": "/proc/tensorboard"}
+    assert (made(0, **unwritable), made(1, **unwritable)) == (None, "FileNotFoundError")
+    assert (made(0, wandb_project="p"), made(1, wandb_project="p")) == (None, "TypeError")
 
 
 def test_without_the_check_megatron_raises_on_a_tracker_in_a_missing_folder(tmp_path):
