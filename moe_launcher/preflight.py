@@ -238,25 +238,49 @@ def check_tp_cp(args) -> None:
 def check_positive_sizes(args) -> None:
     # megatron divides by --micro-batch-size (ZeroDivisionError) and asserts on --train-iters 0;
     # --log-interval 0 and --eval-interval 0 divide by zero at the first iteration's log and
-    # evaluation test, --seq-length 0 fails in the model's first forward.
+    # evaluation test; --seq-length, --kv-channels and --moe-ffn-hidden-size 0 fail at the
+    # model's build or first forward; --seed 0 raises as megatron seeds its generators
+    # (initialize._set_random_seed takes positive seeds only).
     for flag, value in (("--micro-batch-size", args.micro_batch_size),
                         ("--train-iters", args.train_iters),
                         ("--log-interval", args.log_interval),
                         ("--eval-interval", args.eval_interval),
-                        ("--seq-length", args.seq_length)):
+                        ("--seq-length", args.seq_length),
+                        ("--kv-channels", args.kv_channels),
+                        ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size),
+                        ("--seed", args.seed)):
         if value is not None and value < 1:
             raise PreflightError(flag, f"{flag} {value}: it must be at least 1; fix: pass "
                                        f"{flag} 1 or more")
-    if args.num_workers < 0:  # torch's DataLoader raises at the first batch
-        raise PreflightError("--num-workers", f"--num-workers {args.num_workers}: data loader "
-                                              "processes cannot be fewer than none; fix: pass "
-                                              "--num-workers 0 or more")
-    # torch's dropout raises at the model's first forward on every rank.
-    for flag, value in (("--hidden-dropout", args.hidden_dropout),
-                        ("--attention-dropout", args.attention_dropout)):
-        if not 0 <= value <= 1:
-            raise PreflightError(flag, f"{flag} {value}: a dropout probability lies between 0 "
-                                       f"and 1; fix: pass {flag} in that range")
+
+
+@preflight_check("value-ranges")
+def check_value_ranges(args) -> None:
+    """Values torch refuses where megatron hands them on: at the model's build or first
+    forward (dropout, the initialisation's standard deviation), the optimizer's construction
+    (Adam's betas), the first batch (data loader workers); and --mtp-num-layers below 0, which
+    megatron builds as none (the layer census then stops the run after the build)."""
+    def probability(value):
+        return 0 <= value <= 1
+
+    def beta(value):
+        return 0 <= value < 1
+
+    def not_negative(value):
+        return value >= 0
+
+    ranges = [("--hidden-dropout", args.hidden_dropout, probability, "between 0 and 1"),
+              ("--attention-dropout", args.attention_dropout, probability, "between 0 and 1"),
+              ("--init-method-std", args.init_method_std, not_negative, "0 or more"),
+              ("--num-workers", args.num_workers, not_negative, "0 or more"),
+              ("--mtp-num-layers", args.mtp_num_layers, not_negative, "0 or more")]
+    if args.optimizer != "sgd":
+        ranges += [("--adam-beta1", args.adam_beta1, beta, "at least 0 and below 1"),
+                   ("--adam-beta2", args.adam_beta2, beta, "at least 0 and below 1")]
+    for flag, value, allowed, said in ranges:
+        if value is not None and not allowed(value):
+            raise PreflightError(flag, f"{flag} {value}: it must be {said}; fix: pass {flag} "
+                                       "in that range")
 
 
 @preflight_check("attention-head-groups")

@@ -87,6 +87,13 @@ CASES = {
     "seq-length-zero": (1, ["--seq-length", "0"], "--seq-length"),
     "dropout-above-one": (1, ["--hidden-dropout", "2"], "--hidden-dropout"),
     "negative-data-loader-workers": (1, ["--num-workers", "-1"], "--num-workers"),
+    "negative-init-std": (1, ["--init-method-std", "-0.02"], "--init-method-std"),
+    "adam-beta2-of-one": (1, ["--adam-beta2", "1.0"], "--adam-beta2"),
+    "kv-channels-zero": (1, ["--kv-channels", "0"], "--kv-channels"),
+    "expert-ffn-zero": (1, ["--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size"),
+    "negative-mtp-layers": (1, ["--mtp-num-layers", "-1"], "--mtp-num-layers"),
+    # megatron seeds positive seeds only: ValueError on every rank after process groups exist.
+    "seed-zero": (1, ["--seed", "0"], "--seed"),
     # megatron's attention fails at the first forward (test_..._without_the_check below).
     "query-groups-not-dividing-heads": (1, ["--group-query-attention", "--num-query-groups", "3"],
                                         "--num-query-groups"),
@@ -330,6 +337,15 @@ def test_without_the_checks_megatron_fails_on_query_groups_and_drops_every_token
     chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(1, probs.topk(2).indices, True)
     _, kept = apply_router_token_dropping(probs, chosen, router_topk=2, capacity_factor=0.0)
     assert chosen.sum() == 128 and kept.sum() == 0
+
+
+def test_without_the_check_megatron_refuses_seed_0_as_it_seeds_every_rank():
+    """What positive-sizes spares --seed 0 (a common choice): megatron-core's own seeding, which
+    initialisation runs on every rank once process groups exist, raises on it."""
+    from megatron.training.initialize import _set_random_seed
+
+    with pytest.raises(ValueError, match="should be a positive integer"):
+        _set_random_seed(0)
 
 
 def test_wandb_needs_a_folder_of_its_own_or_save(monkeypatch, tmp_path):
