@@ -29,8 +29,9 @@ import types
 from moe_launcher import activation_memory
 from megatron_patches import registry
 from megatron_patches.accounting import layer_census  # registered first: this patch requires it
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 
+NAME = "activation-memory-report"
 MEGABYTE = 1024 * 1024  # megatron's NUM_BYTES_IN_MEGABYTE
 
 
@@ -94,7 +95,7 @@ def _apply() -> None:
     from megatron.training.theoretical_memory_usage import is_hybrid_model
 
     megatron_report = training.report_theoretical_memory
-    if getattr(megatron_report, "_priced_on_layers_built", False):
+    if wrapped_by(megatron_report, NAME):
         return
 
     @functools.wraps(megatron_report)
@@ -115,12 +116,12 @@ def _apply() -> None:
               flush=True)
         return weights, activations, weights + activations
 
-    report_theoretical_memory._priced_on_layers_built = True
+    report_theoretical_memory.__wrapped_by__ = NAME
     training.report_theoretical_memory = report_theoretical_memory
 
 
 PATCH = register(Patch(
-    name="activation-memory-report",
+    name=NAME,
     upstream="local (megatron-core 0.19.2 training/theoretical_memory_usage.py: Korthikanti et "
              "al.'s dense formulas, no experts, recompute, MLA or MTP)",
     versions=">=0.19,<0.20",
