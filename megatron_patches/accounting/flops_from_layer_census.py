@@ -27,7 +27,9 @@ from moe_launcher.runtime import collectives
 from moe_launcher.model.layer_layout import LayerCensus
 from megatron_patches import registry
 from megatron_patches.accounting import layer_census  # registered first: this patch requires it
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
+
+NAME = "flops-from-layer-census"
 
 FORWARD_AND_BACKWARD = 3  # forward, backward w.r.t. inputs, backward w.r.t. weights
 MEGATRON_CAUSAL_FRACTION = 0.5
@@ -229,7 +231,7 @@ def _report_megatron_formula(pattern: str, families: str, total: float) -> None:
 
 def _apply() -> None:
     from megatron.training import training
-    if getattr(training.num_floating_point_operations, "_from_census", False):
+    if wrapped_by(training.num_floating_point_operations, NAME):
         return
     megatron_flops = training.num_floating_point_operations
     reported = []  # the record whose FLOPs per iteration were printed
@@ -263,7 +265,7 @@ def _apply() -> None:
             squares = batch_size * args.seq_length ** 2
         return flops_per_batch(shape, built.layers, tokens, squares)
 
-    num_floating_point_operations._from_census = True
+    num_floating_point_operations.__wrapped_by__ = NAME
     training.num_floating_point_operations = num_floating_point_operations
 
 
@@ -301,7 +303,7 @@ def _not_needed(context: PatchContext) -> str | None:
 
 
 register(Patch(
-    name="flops-from-layer-census",
+    name=NAME,
     upstream="NVIDIA/Megatron-LM#1778",
     versions=">=0.15,<0.20",
     summary="replaces megatron.training.training.num_floating_point_operations with FLOPs of the "

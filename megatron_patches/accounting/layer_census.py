@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 
-from megatron_patches.registry import Patch, register
+from megatron_patches.registry import Patch, register, wrapped_by
 from moe_launcher.model import layer_layout
 from moe_launcher.model.built_model import ModelRecord, make_record
 from moe_launcher.runtime import collectives
+
+NAME = "layer-census"
 
 
 def _print_rank_0(message: str) -> None:
@@ -23,7 +25,7 @@ def _print_rank_0(message: str) -> None:
 
 def _apply(record: ModelRecord) -> None:
     from megatron.training import training
-    if getattr(training.setup_model_and_optimizer, "_records_model", False):
+    if wrapped_by(training.setup_model_and_optimizer, NAME):
         return
     megatron_setup = training.setup_model_and_optimizer
 
@@ -45,14 +47,14 @@ def _apply(record: ModelRecord) -> None:
         record.keep(built)
         return model, optimizer, scheduler
 
-    setup_model_and_optimizer._records_model = True
+    setup_model_and_optimizer.__wrapped_by__ = NAME
     training.setup_model_and_optimizer = setup_model_and_optimizer
 
 
 MODEL_RECORD = ModelRecord()
 
 PATCH = register(Patch(
-    name="layer-census",
+    name=NAME,
     upstream=layer_layout.UPSTREAM,
     versions=">=0.15,<0.20",
     summary="records the model built (layers per pipeline stage, parameter sharding) after "

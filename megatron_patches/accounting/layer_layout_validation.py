@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 from moe_launcher.model.layer_layout import UPSTREAM, LayerLayout, validate_layer_layout
+
+NAME = "layer-layout-validation"
 
 
 def _megatron_accepts_pp1_first_last() -> bool:
@@ -35,7 +37,7 @@ def _validation_not_needed(context: PatchContext) -> str | None:
 
 def _apply_validation() -> None:
     from megatron.training import arguments
-    if getattr(arguments.validate_args, "_layer_layout_checked", False):
+    if wrapped_by(arguments.validate_args, NAME):
         return
     megatron_validate_args = arguments.validate_args
 
@@ -46,12 +48,12 @@ def _apply_validation() -> None:
             validate_layer_layout(layout)
         return megatron_validate_args(args, *rest, **kwargs)
 
-    validate_args._layer_layout_checked = True
+    validate_args.__wrapped_by__ = NAME
     arguments.validate_args = validate_args
 
 
 PATCH = register(Patch(
-    name="layer-layout-validation",
+    name=NAME,
     upstream=UPSTREAM,
     versions=">=0.15,<0.20",
     summary="refuses --decoder-first/last-pipeline-num-layers splits that megatron misplaces, "

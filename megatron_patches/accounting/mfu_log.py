@@ -20,7 +20,9 @@ import re
 
 import torch
 
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
+
+NAME = "mfu-log"
 
 # Dense bf16 peak TFLOP/s by torch.cuda.get_device_name() substring; first match wins, so the
 # more specific names come first ("GH200" contains "H200", "H100 PCIe" contains "H100").
@@ -108,7 +110,7 @@ def _log_to_writers(value: float, iteration: int) -> None:
 
 def _apply() -> None:
     from megatron.training import training
-    if getattr(training.print_rank_last, "_with_mfu", False):
+    if wrapped_by(training.print_rank_last, NAME):
         return
     megatron_print = training.print_rank_last
     said: set[str] = set()  # notes this wrapper printed once
@@ -121,7 +123,7 @@ def _apply() -> None:
             measured["throughput"] = throughput
         return track(log_throughput, throughput)
 
-    track_e2e_metrics.__wrapped_by__ = "mfu-log"  # registry.wrapped_by
+    track_e2e_metrics.__wrapped_by__ = NAME
     training.one_logger_utils.track_e2e_metrics = track_e2e_metrics
 
     @functools.wraps(megatron_print)
@@ -139,8 +141,7 @@ def _apply() -> None:
                 _log_to_writers(value, int(iteration.group(1)))
         return megatron_print(message)
 
-    print_rank_last._with_mfu = True
-    print_rank_last.__wrapped_by__ = "mfu-log"  # registry.wrapped_by
+    print_rank_last.__wrapped_by__ = NAME
     training.print_rank_last = print_rank_last
 
 
@@ -154,7 +155,7 @@ def _not_needed(context: PatchContext) -> str | None:
 
 
 register(Patch(
-    name="mfu-log",
+    name=NAME,
     upstream="local",
     versions=">=0.15,<0.20",
     summary="appends MFU (TFLOP/s/GPU over the device's dense bf16 peak) to the iteration log "

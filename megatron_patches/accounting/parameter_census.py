@@ -28,7 +28,9 @@ from moe_launcher import optimizer_state
 from moe_launcher.model.built_model import BuiltModel, HeldElements
 from megatron_patches import registry
 from megatron_patches.accounting import layer_census  # registered first: this patch requires it
-from megatron_patches.registry import Patch, register
+from megatron_patches.registry import Patch, register, wrapped_by
+
+NAME = "parameter-census"
 
 
 # megatron's layer-wise distributed optimizer (what --use-distributed-optimizer gives Muon's
@@ -87,7 +89,7 @@ def _apply() -> None:
     from megatron.training import theoretical_memory_usage
 
     estimate = theoretical_memory_usage.compute_weight_and_optimizer_memory
-    if getattr(estimate, "_from_model_built", False):
+    if wrapped_by(estimate, NAME):
         return
 
     @functools.wraps(estimate)
@@ -100,13 +102,13 @@ def _apply() -> None:
             print("\n".join(census.lines()), flush=True)
         return census.weight_and_optimizer_bytes
 
-    compute_weight_and_optimizer_memory._from_model_built = True
+    compute_weight_and_optimizer_memory.__wrapped_by__ = NAME
     theoretical_memory_usage.compute_weight_and_optimizer_memory = (
         compute_weight_and_optimizer_memory)
 
 
 PATCH = register(Patch(
-    name="parameter-census",
+    name=NAME,
     upstream="NVIDIA/Megatron-LM#1778",
     versions=">=0.15,<0.20",
     summary="parameter totals and weight+optimizer memory counted on the model built, per rank "

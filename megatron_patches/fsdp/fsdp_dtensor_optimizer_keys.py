@@ -30,7 +30,7 @@ import types
 
 import torch
 
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 
 NAME = "fsdp-dtensor-optimizer-keys"
 
@@ -122,7 +122,7 @@ def _fill_missing_states(optimizer, state_dict: dict) -> None:
 def _apply() -> None:
     cls = _distrib_optimizer()
     original = cls.sharded_param_state_fsdp_dtensor
-    if getattr(original, "_lists_every_parameter", False):
+    if wrapped_by(original, NAME):
         return
 
     @functools.wraps(original)
@@ -131,7 +131,7 @@ def _apply() -> None:
         _fill_missing_states(self, state_dict)
         return state_dict
 
-    sharded_param_state_fsdp_dtensor._lists_every_parameter = True
+    sharded_param_state_fsdp_dtensor.__wrapped_by__ = NAME
     cls.sharded_param_state_fsdp_dtensor = sharded_param_state_fsdp_dtensor
 
 

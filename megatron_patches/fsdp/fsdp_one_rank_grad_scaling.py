@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
 
 NAME = "fsdp-one-rank-grad-scaling"
 REDUCED_EVERY_BACKWARD = ("optim_grads", "optim_grads_params")
@@ -68,7 +68,7 @@ def _rescaled_every_backward(fsdp) -> list:
 
 def _apply() -> None:
     cls = _megatron_fsdp()
-    if getattr(cls.__init__, "_scales_one_rank_grads_once", False):
+    if wrapped_by(cls.__init__, NAME):
         return
     init, attach = cls.__init__, cls.attach_grad_to_optimizer_state
 
@@ -87,7 +87,7 @@ def _apply() -> None:
             gbuf.data.mul_(factor)
         return attach(self)
 
-    __init__._scales_one_rank_grads_once = True
+    __init__.__wrapped_by__ = NAME
     cls.__init__ = __init__
     cls.attach_grad_to_optimizer_state = attach_grad_to_optimizer_state
 

@@ -21,7 +21,9 @@ from types import SimpleNamespace
 
 import torch
 
-from megatron_patches.registry import Patch, PatchContext, register
+from megatron_patches.registry import Patch, PatchContext, register, wrapped_by
+
+NAME = "moe-mtp-repeated-z-loss"
 
 
 def _repeats(router) -> int:
@@ -78,7 +80,7 @@ def _apply() -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     megatron_z_loss = TopKRouter.apply_z_loss
-    if getattr(megatron_z_loss, "_per_repeated_layer", False):
+    if wrapped_by(megatron_z_loss, NAME):
         return
 
     @functools.wraps(megatron_z_loss)
@@ -92,13 +94,12 @@ def _apply() -> None:
         finally:
             self.config.moe_z_loss_coeff = coeff
 
-    apply_z_loss._per_repeated_layer = True
-    apply_z_loss.__wrapped_by__ = "moe-mtp-repeated-z-loss"  # registry.wrapped_by
+    apply_z_loss.__wrapped_by__ = NAME
     TopKRouter.apply_z_loss = apply_z_loss
 
 
 register(Patch(
-    name="moe-mtp-repeated-z-loss",
+    name=NAME,
     upstream="local (megatron-core 0.19.2 router.py divides only the logged z-loss of a "
              "repeated MTP layer)",
     versions=">=0.15,<0.20",

@@ -136,7 +136,7 @@ def test_patch_refuses_before_megatron_validates_args():
 
     statuses = {s.name: s for s in registry.apply_patches(registry.current_context(True))}
     assert statuses[layer_layout_validation.PATCH.name].applied  # 0.19.2 builds 5 of 20 layers
-    assert arguments.validate_args._layer_layout_checked
+    assert registry.wrapped_by(arguments.validate_args, layer_layout_validation.NAME)
     with pytest.raises(LayerLayoutError, match=f"{FIRST}=5"):
         arguments.validate_args(_args(decoder_first_pipeline_num_layers=5,
                                       decoder_last_pipeline_num_layers=5))

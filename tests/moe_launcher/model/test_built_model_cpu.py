@@ -48,10 +48,11 @@ def test_setup_is_wrapped_once_by_the_record():
     # two patches wrap megatron's setup, the record and the first-step check, each once
     # (functools.wraps copies a wrapper's attributes onto the one around it)
     assert len(chain) == 3
-    assert chain[0]._records_model
+    assert registry.wrapped_by(chain[0], "layer-census")
     assert registry.wrapped_by(chain[0], "resumed-run-checks-first-iteration")
-    assert not hasattr(chain[-1], "_records_model") and not hasattr(chain[-1], "__wrapped_by__")
-    assert theoretical_memory_usage.compute_weight_and_optimizer_memory._from_model_built
+    assert not hasattr(chain[-1], "__wrapped_by__")
+    assert registry.wrapped_by(theoretical_memory_usage.compute_weight_and_optimizer_memory,
+                               "parameter-census")
 
 
 def test_requirement_not_applied_skips_the_patch_saying_why():
@@ -83,10 +84,7 @@ def test_requirement_not_applied_skips_the_patch_saying_why():
 def _megatron_flops_formula():
     from megatron.training import training
 
-    formula = training.num_floating_point_operations
-    while getattr(formula, "_from_census", False):
-        formula = formula.__wrapped__
-    return formula
+    return registry.unwrapped(training.num_floating_point_operations)
 
 
 @pytest.mark.slow
