@@ -2,7 +2,7 @@
 
 megatron accepts these flags on any install and fails only once it uses the feature: after
 process groups and the model are built, or at the first step (DeepEP's dispatcher, TE's
-permute fusion and grouped GEMM, FP8, userbuffers, the HuggingFace tokenizer's NameError). Each
+permute and router fusions and grouped GEMM, FP8, userbuffers, the HuggingFace tokenizer's NameError). Each
 row of `REQUIREMENTS` names a feature, how to tell the command line asks for it, and the
 package it needs; a command line that asks for a feature whose package is not importable is
 refused before any work, with the install or the flag to drop. Where the package is present
@@ -55,6 +55,8 @@ REQUIREMENTS = (
                 TRANSFORMER_ENGINE, "pass --transformer-impl local"),
     Requirement("--moe-permute-fusion", lambda a: a.moe_permute_fusion,
                 TRANSFORMER_ENGINE, "drop --moe-permute-fusion"),
+    Requirement("--moe-router-fusion", lambda a: a.moe_router_fusion,
+                TRANSFORMER_ENGINE, "drop --moe-router-fusion"),
     Requirement("--moe-grouped-gemm", lambda a: a.moe_grouped_gemm,
                 TRANSFORMER_ENGINE, "drop --moe-grouped-gemm"),
     Requirement("--fp8-format", lambda a: a.fp8 is not None,

@@ -503,6 +503,27 @@ def check_layernorm_1p_local_spec(args) -> None:
                              "run with Transformer Engine")
 
 
+@preflight_check("fp32-residual-local-norm", machine=True)
+def check_fp32_residual_local_norm(args) -> None:
+    # --fp32-residual-connection hands every norm fp32 hidden states. Without apex megatron's
+    # local spec norms with torch's (WrappedTorchNorm): their bf16/fp16 weights meet fp32 input,
+    # and the first forward fails on every rank (a mixed-dtype norm or matmul). Transformer
+    # Engine's layers and apex's fused norm are left to megatron: not judged here.
+    if not (args.fp32_residual_connection and args.transformer_impl == "local"
+            and (args.bf16 or args.fp16)):
+        return
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if gpt_layer_specs.LNImpl is WrappedTorchNorm:
+        raise PreflightError("--fp32-residual-connection",
+                             "--fp32-residual-connection on megatron's local spec without apex "
+                             "(--transformer-impl local, torch's norms) fails at the first "
+                             "forward: fp32 hidden states meet the norms' and layers' "
+                             f"{'bf16' if args.bf16 else 'fp16'} weights; fix: drop "
+                             "--fp32-residual-connection, or run with Transformer Engine")
+
+
 @preflight_check("context-parallel-attention")
 def check_context_parallel_attention(args) -> None:
     # Context parallelism runs in Transformer Engine's attention; megatron's own
@@ -652,13 +673,14 @@ def check_router_top_k(args) -> None:
                              f"--moe-router-topk {top_k} with --num-experts {experts}: no token "
                              f"would reach an expert, so the experts would never train; fix: "
                              f"pass --moe-router-topk 1 or more")
-    capacity = args.moe_expert_capacity_factor
-    if capacity is not None and capacity <= 0:  # megatron's get_capacity: room for no token
+    # megatron's TransformerConfig reads a negative factor as dropless (None); 0 reaches its
+    # get_capacity, which gives every expert room for no token
+    if args.moe_expert_capacity_factor == 0:
         raise PreflightError("--moe-expert-capacity-factor",
-                             f"--moe-expert-capacity-factor {capacity}: no expert would have "
-                             "room for a token, so every token would be dropped and the experts "
-                             "would never train; fix: pass a positive factor (1.0 or more drops "
-                             "few tokens), or drop the flag for dropless routing")
+                             "--moe-expert-capacity-factor 0: no expert would have room for a "
+                             "token, so every token would be dropped and the experts would never "
+                             "train; fix: pass a positive factor (1.0 or more drops few tokens), "
+                             "or drop the flag for dropless routing")
     if top_k > experts:
         raise PreflightError("--moe-router-topk",
                              f"--moe-router-topk {top_k} is more than --num-experts {experts}: "
@@ -682,6 +704,57 @@ def check_router_top_k(args) -> None:
                              f"({experts // groups} experts per group of "
                              f"--moe-router-num-groups {groups}); fix: raise "
                              f"--moe-router-group-topk or lower --moe-router-topk to {reachable}")
+
+
+def _one_or_list(value) -> list:
+    """A flag megatron reads as one value or a list (nargs='+'), as a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+# Load-balancing types that route (choose the experts) rather than add a loss: megatron's
+# TopKRouter.routing applies one only when it is the whole --moe-router-load-balancing-type.
+ROUTING_BALANCERS = ("sinkhorn", "quantile_balancing")
+
+
+@preflight_check("router-load-balancing")
+def check_router_load_balancing(args) -> None:
+    # Each of these is accepted by megatron's arguments and TransformerConfig and fails, or does
+    # nothing, only in the router's or the experts' first forward (megatron-core 0.19.2).
+    if not args.num_experts:
+        return
+    types = _one_or_list(args.moe_router_load_balancing_type)
+    balancers = [kind for kind in types if kind in ROUTING_BALANCERS]
+    if balancers and len(types) > 1:  # the list compares unequal to each: plain top-k routing
+        raise PreflightError("--moe-router-load-balancing-type",
+                             f"--moe-router-load-balancing-type {' '.join(types)}: megatron "
+                             f"routes with {balancers[0]} only when it is the one type; in a list "
+                             f"it routes by plain top-k and never applies it; fix: pass "
+                             f"--moe-router-load-balancing-type {balancers[0]} alone, or drop it "
+                             f"from the list")
+    coefficients = _one_or_list(args.moe_aux_loss_coeff)
+    if types == ["sinkhorn"] and any(coefficients):
+        raise PreflightError("--moe-aux-loss-coeff",
+                             f"--moe-router-load-balancing-type sinkhorn balances without an "
+                             f"auxiliary loss: megatron's router asserts --moe-aux-loss-coeff 0 "
+                             f"at the first forward (given {' '.join(map(str, coefficients))}); "
+                             f"fix: pass --moe-aux-loss-coeff 0")
+    if types == ["quantile_balancing"]:
+        if args.moe_router_fusion:
+            raise PreflightError("--moe-router-fusion",
+                                 "--moe-router-load-balancing-type quantile_balancing has no "
+                                 "fused router: megatron asserts at the first forward; fix: drop "
+                                 "--moe-router-fusion")
+        if args.moe_router_num_groups or args.moe_router_group_topk:
+            raise PreflightError("--moe-router-num-groups",
+                                 "--moe-router-load-balancing-type quantile_balancing does not "
+                                 "route by groups: megatron asserts at the first forward; fix: "
+                                 "drop --moe-router-num-groups and --moe-router-group-topk")
+    if args.moe_apply_probs_on_input and args.moe_router_topk != 1:
+        raise PreflightError("--moe-apply-probs-on-input",
+                             f"--moe-apply-probs-on-input weights an expert's input by its one "
+                             f"routing probability: megatron's experts assert --moe-router-topk 1 "
+                             f"at the first forward (given {args.moe_router_topk}); fix: pass "
+                             f"--moe-router-topk 1, or drop --moe-apply-probs-on-input")
 
 
 @preflight_check("moe-expert-parallel-overlap")

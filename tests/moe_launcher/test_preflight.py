@@ -100,7 +100,27 @@ CASES = {
     # megatron drops every token (below): experts that never train, without a word.
     "expert-capacity-factor-zero": (1, ["--moe-expert-capacity-factor", "0"],
                                     "--moe-expert-capacity-factor"),
+    # megatron's router and experts assert at the first forward, or route without the balancer
+    # (test_without_the_checks_megatron_routes_... below).
+    "sinkhorn-with-an-aux-loss": (1, ["--moe-router-load-balancing-type", "sinkhorn"],
+                                  "--moe-aux-loss-coeff"),
+    "sinkhorn-in-a-list": (1, ["--moe-router-load-balancing-type", "aux_loss", "sinkhorn",
+                               "--moe-aux-loss-coeff", "1e-2", "0"],
+                           "--moe-router-load-balancing-type"),
+    "quantile-balancing-in-a-list": (1, ["--moe-router-load-balancing-type", "quantile_balancing",
+                                         "seq_aux_loss", "--moe-aux-loss-coeff", "0", "1e-3"],
+                                     "--moe-router-load-balancing-type"),
+    "quantile-balancing-by-groups": (1, ["--moe-router-load-balancing-type", "quantile_balancing",
+                                         "--moe-aux-loss-coeff", "0", "--moe-router-num-groups",
+                                         "2", "--moe-router-group-topk", "2"],
+                                     "--moe-router-num-groups"),
+    "probs-on-input-with-top-2": (1, ["--moe-apply-probs-on-input"], "--moe-apply-probs-on-input"),
+    # megatron's router raises at the first forward: its fused top-k is Transformer Engine's.
+    "router-fusion-without-transformer-engine": (1, ["--moe-router-fusion"], "--moe-router-fusion"),
     "layernorm-1p-on-the-local-spec": (1, ["--apply-layernorm-1p"], "--apply-layernorm-1p"),
+    # torch's norms get fp32 input with bf16 weights at the first forward (below).
+    "fp32-residual-on-torch-norms": (1, ["--fp32-residual-connection"],
+                                     "--fp32-residual-connection"),
     "load-is-a-file": (1, ["--load", "/etc/hostname"], "--load"),
     # megatron makes its TensorBoard writer and wandb run on the last rank only (test below).
     "tensorboard-dir-unwritable": (2, ["--tensorboard-dir", "/proc/tensorboard"],
@@ -337,6 +357,69 @@ def test_without_the_checks_megatron_fails_on_query_groups_and_drops_every_token
     chosen = torch.zeros_like(probs, dtype=torch.bool).scatter(1, probs.topk(2).indices, True)
     _, kept = apply_router_token_dropping(probs, chosen, router_topk=2, capacity_factor=0.0)
     assert chosen.sum() == 128 and kept.sum() == 0
+
+
+def test_a_negative_capacity_factor_is_megatrons_dropless_routing(monkeypatch):
+    """megatron-core's TransformerConfig reads a negative --moe-expert-capacity-factor as None
+    (dropless): accepted, as megatron trains it; 0 is refused (above)."""
+    import _megatron_cpu as cpu
+
+    assert cpu.tiny_config(num_moe_experts=4,
+                           moe_expert_capacity_factor=-1.0).moe_expert_capacity_factor is None
+    assert judge(1, [*BASE, "--moe-expert-capacity-factor", "-1"], monkeypatch) is None
+
+
+def _routing_map(load_balancing: str | list[str], coefficients: float | list[float]):
+    """The first layer's routing of fixed logits in a megatron GPT built with these types."""
+    import _megatron_cpu as cpu
+
+    model = cpu.build_gpt(cpu.tiny_config(num_moe_experts=8, moe_router_topk=2,
+                                          moe_router_load_balancing_type=load_balancing,
+                                          moe_aux_loss_coeff=coefficients), 16)
+    logits = torch.randn(32, 1, 8, generator=torch.Generator().manual_seed(0))
+    return model.decoder.layers[0].mlp.router.routing(logits)[1]
+
+
+def test_without_the_checks_megatron_routes_without_the_balancer_or_fails_at_the_first_forward():
+    """What router-load-balancing refuses, on megatron-core's own modules: sinkhorn or quantile
+    balancing in a list of types routes exactly as plain top-k (the balancer is never applied;
+    alone, sinkhorn routes these logits otherwise); sinkhorn with an aux-loss coefficient,
+    quantile balancing by groups and probabilities on the input at top-2 assert at the first
+    forward."""
+    import _megatron_cpu as cpu
+
+    top_k = _routing_map("aux_loss", 0.01)
+    for balancer in ("sinkhorn", "quantile_balancing"):
+        assert torch.equal(_routing_map(["aux_loss", balancer], [0.01, 0.0]), top_k), balancer
+    assert not torch.equal(_routing_map("sinkhorn", 0.0), top_k)
+
+    for overrides, message in (
+            (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.01),
+             "Sinkhorn routing does not support aux loss"),
+            (dict(moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0,
+                  moe_router_num_groups=2, moe_router_group_topk=2),
+             "does not support group-limited routing"),
+            (dict(moe_apply_probs_on_input=True), "only works with `moe_router_topk`=1")):
+        model = cpu.build_gpt(cpu.tiny_config(num_moe_experts=8, moe_router_topk=2,
+                                              **overrides), 16)
+        with pytest.raises(AssertionError, match=message):
+            cpu.train_step_loss(model, batch=2, seq_length=16)
+
+
+def test_without_the_check_megatron_fails_on_fp32_residuals_through_torch_norms():
+    """What fp32-residual-local-norm refuses, on megatron-core's own local spec without apex
+    (torch's norms): a bf16 GPT with fp32 residuals fails at its first forward; the same GPT
+    without them trains. (megatron's arguments refuse fp32 residuals without bf16/fp16.)"""
+    import _megatron_cpu as cpu
+
+    def bf16_gpt(**config):
+        return cpu.build_gpt(cpu.tiny_config(num_moe_experts=4, normalization="RMSNorm",
+                                             bf16=True, params_dtype=torch.bfloat16, **config),
+                             16).bfloat16()
+
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu.train_step_loss(bf16_gpt(fp32_residual_connection=True), batch=2, seq_length=16)
+    assert torch.isfinite(cpu.train_step_loss(bf16_gpt(), batch=2, seq_length=16))
 
 
 def test_without_the_check_megatron_refuses_seed_0_as_it_seeds_every_rank():
