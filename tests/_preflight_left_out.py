@@ -5,7 +5,7 @@ import os
 import sys
 
 import pretrain_moe
-from moe_launcher import preflight
+from moe_launcher import checkpoint_paths, dependencies, preflight  # noqa: F401 (they register)
 
 del preflight._CHECKS[os.environ["PREFLIGHT_LEFT_OUT"]]
 pretrain_moe.main(sys.argv[1:])
