@@ -6,8 +6,8 @@ before its first checkpoint, start fresh, as megatron does. A --save that holds 
 committed checkpoint is refused to a run that does not continue it (save_continuity); a
 torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only; a distributed --load
 under --ckpt-format torch; a resume whose checkpoint holds no optimizer state, or another kind of
-optimizer's, that the run would load (megatron fails on all of these only once the model is
-built). Registered with
+optimizer's, that the run would load; a torch-format --load at another TP or PP size (megatron
+fails on all of these only once the model is built). Registered with
 `preflight_check` (imported by megatron_validation.checked_command_line).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from moe_launcher.checkpoint_files import save_continuity
+from moe_launcher.checkpoint_files import save_continuity, torch_format
 from moe_launcher.checkpoint_files.commit_protocol import TRACKER, loaded_iteration_dir
 from moe_launcher.checkpoint_files.metadata import (
     UnreadableCheckpoint, read_checkpoint_metadata, saved_backend)
@@ -192,3 +192,38 @@ def check_load_optimizer_state(args) -> None:
                          "other and fails on every rank once the model is built; fix: resume "
                          f"{'with' if was else 'without'} --use-distributed-optimizer, or pass "
                          "--no-load-optim to resume the weights with a fresh optimizer")
+
+
+# The layout a torch-format checkpoint's files are cut by, which a load cannot change.
+_TORCH_FORMAT_LAYOUT = (("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                        ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"))
+
+
+@preflight_check("load-torch-format-layout", machine=True)
+def check_load_torch_format_layout(args) -> None:
+    # --ckpt-format torch keeps a file per tensor- and pipeline-parallel rank; megatron-core
+    # 0.19.2 asserts the saved sizes in check_checkpoint_args, on every rank once the model is
+    # built and its file read ("tensor_model_parallel_size value from checkpoint (2) is not
+    # equal to the input argument value (1)"). --finetune skips that check; other --ckpt-format
+    # values are not judged here.
+    iteration = loaded_iteration_dir(args.load, args.ckpt_step)
+    if (iteration is None or args.finetune or args.ckpt_format != "torch"
+            or not torch_format.is_torch_format(iteration)):
+        return
+    files = torch_format.model_files(iteration)
+    saved = torch_format.saved_args(files[0]) if files else None
+    if saved is None:
+        return
+    changed = [(flag, getattr(saved, name), getattr(args, name))
+               for flag, name in _TORCH_FORMAT_LAYOUT
+               if getattr(saved, name, None) not in (None, getattr(args, name))]
+    if changed:
+        raise PreflightError(changed[0][0],
+                             f"--load {iteration} is a torch-format checkpoint saved at "
+                             + ", ".join(f"{flag} {was}" for flag, was, _ in changed)
+                             + "; its files are cut by that layout, so this run's "
+                             + ", ".join(f"{flag} {now}" for flag, _, now in changed)
+                             + " cannot load it (megatron fails on every rank once the model is "
+                             "built); fix: resume with "
+                             + " ".join(f"{flag} {was}" for flag, was, _ in changed)
+                             + " (torch_dist checkpoints load at any layout)")

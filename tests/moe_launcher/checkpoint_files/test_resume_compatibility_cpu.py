@@ -1,8 +1,9 @@
 """A resume megatron-core 0.19.2 cannot load is refused before any work (checkpoint_paths.py's
-load-format and load-optimizer-state): a distributed checkpoint under --ckpt-format torch, a
-checkpoint without optimizer state (--no-save-optim) into a run that loads it, and a torch_dist
-checkpoint of one kind of optimizer into a run with the other (distributed or plain). The
-checkpoints are real 1-rank saves; each refusal is judged in this process (tests/_judge.py) and,
+load-format, load-optimizer-state, load-torch-format-layout): a distributed checkpoint under
+--ckpt-format torch, a checkpoint without optimizer state (--no-save-optim) into a run that loads
+it, a torch_dist checkpoint of one kind of optimizer into a run with the other (distributed or
+plain), and a torch-format checkpoint at another tensor-parallel size. The checkpoints are real
+saves (1 rank; the TP2 one 2); each refusal is judged in this process (tests/_judge.py) and,
 with the check left out (tests/_preflight_left_out.py), megatron's own load fails on the rank
 once the model is built, as the refusal says.
 """
@@ -18,16 +19,19 @@ pytestmark = pytest.mark.slow
 
 BASE = [*TINY_MODEL, "--train-iters", "2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
-SAVES = {"distributed": DISTRIBUTED, "plain": [], "without-optimizer": ["--no-save-optim"]}
+TORCH_TP2 = ["--ckpt-format", "torch", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# name: (world, flags)
+SAVES = {"distributed": (1, DISTRIBUTED), "plain": (1, []),
+         "without-optimizer": (1, ["--no-save-optim"]), "torch-tp2": (2, TORCH_TP2)}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name -> a --save folder holding iteration 1 of a run saved with SAVES[name]."""
     folders = {}
-    for name, flags in SAVES.items():
+    for name, (world, flags) in SAVES.items():
         folder = tmp_path_factory.mktemp(name)
-        launch(1, [*BASE, "--exit-interval", "1", "--save", str(folder), "--save-interval", "1",
+        launch(world, [*BASE, "--exit-interval", "1", "--save", str(folder), "--save-interval", "1",
                    *flags], timeout=300).check()
         folders[name] = folder
     return folders
@@ -37,8 +41,10 @@ def resume(folder, *flags: str) -> list[str]:
     return [*BASE, "--load", str(folder), "--save", str(folder), "--save-interval", "1", *flags]
 
 
-# name: (checkpoint, the resume's flags, the flag the refusal names)
+# name: (checkpoint, the resume's flags, the flag the refusal names), resumed on 1 rank
 REFUSED = {
+    "torch-format-at-another-tp": ("torch-tp2", ["--ckpt-format", "torch"],
+                                   "--tensor-model-parallel-size 2"),
     "distributed-under-ckpt-format-torch": ("distributed", [*DISTRIBUTED, "--ckpt-format",
                                                             "torch"], "--ckpt-format"),
     "no-optimizer-state": ("without-optimizer", [], "--no-load-optim"),
@@ -53,6 +59,7 @@ ACCEPTED = {
     "no-optimizer-state-not-loaded": ("without-optimizer", ["--no-load-optim"]),
     "distributed-weights-into-plain": ("distributed", ["--no-load-optim"]),
     "plain-weights-into-distributed": ("plain", [*DISTRIBUTED, "--no-load-optim"]),
+    "torch-format-at-its-tp": ("torch-tp2", TORCH_TP2),
 }
 
 
@@ -68,11 +75,15 @@ def test_a_resume_megatron_cannot_load_is_refused(case, saved, monkeypatch):
 @pytest.mark.parametrize("case", ACCEPTED)
 def test_a_resume_megatron_loads_passes(case, saved, monkeypatch):
     checkpoint, flags = ACCEPTED[case]
-    assert judge(1, resume(saved[checkpoint], *flags), monkeypatch) is None
+    world = SAVES[checkpoint][0]
+    assert judge(world, resume(saved[checkpoint], *flags), monkeypatch) is None
 
 
 # The check left out: what megatron-core 0.19.2's load raises on the rank, once the model is built.
 MEGATRON_FAILS = {
+    "torch-format-at-another-tp": ("load-torch-format-layout", "tensor_model_parallel_size value "
+                                   "from checkpoint (2) is not equal to the input argument value "
+                                   "(1)"),
     "distributed-under-ckpt-format-torch": ("load-format", "RuntimeError: Detected load from a "
                                             "distributed checkpoint"),
     "no-optimizer-state": ("load-optimizer-state", "KeyError: 'optimizer'"),
