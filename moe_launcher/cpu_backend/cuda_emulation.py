@@ -342,6 +342,24 @@ def _seed_device_generator(seed: int) -> None:
 _DEVICE_SEED_MIX = 0x9E37_79B9_7F4A_7C15  # any fixed 64-bit pattern
 
 
+def _memory_stats(device=None) -> dict:
+    """torch.cuda.memory_stats' keys (the caching allocator's, as torch documents them), all 0,
+    as memory_allocated() and its kin are here: megatron's --log-memory-to-tensorboard reads
+    several by name."""
+    pools = ("all", "large_pool", "small_pool")
+    amounts = ("current", "peak", "allocated", "freed")
+    families = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                "requested_bytes", "allocation", "segment", "active", "inactive_split")
+    stats = {f"{family}.{pool}.{amount}": 0
+             for family in families for pool in pools for amount in amounts}
+    stats.update({f"{family}.{amount}": 0 for family in ("oversize_allocations",
+                                                         "oversize_segments")
+                  for amount in amounts})
+    stats.update(dict.fromkeys(("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                "num_device_alloc", "num_device_free", "max_split_size"), 0))
+    return stats
+
+
 def _returns(value):
     # A distinct function per stand-in: torch._dynamo indexes torch.cuda's functions by identity
     # and rejects one object registered under two names.
@@ -368,7 +386,7 @@ CUDA_RUNTIME = {
     "max_memory_allocated": _returns(0),
     "max_memory_reserved": _returns(0),
     "reset_peak_memory_stats": _returns(None),
-    "memory_stats": lambda device=None: {},
+    "memory_stats": _memory_stats,
     "get_device_properties": _device_properties,
     "get_device_name": _returns("cpu"),
     "get_device_capability": _returns((0, 0)),
