@@ -49,9 +49,10 @@ def _flags_named(text: str) -> list[str]:
     """The Megatron-LM flags a check's message or source line refers to, in order."""
     known = _flag_of_dest()
     flags = re.findall(r"--[a-z0-9][a-z0-9_-]*", text)
-    for name in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text):
+    for attribute, name in re.findall(r"(args\.)?\b([A-Za-z_][A-Za-z0-9_]*)", text):
         flag = _CONFIG_FIELD_FLAGS.get(name) or known.get(name)
-        if flag and "_" in name + flag:  # a bare word like "fp8" alone is too ambiguous
+        # a bare word like "fp8" alone is too ambiguous; `args.bf16` in a check's source is not
+        if flag and (attribute or "_" in name + flag):
             flags.append(flag)
     return [flag for i, flag in enumerate(flags) if flag in known.values() and
             flag not in flags[:i]]

@@ -117,6 +117,8 @@ CASES = {
     "probs-on-input-with-top-2": (1, ["--moe-apply-probs-on-input"], "--moe-apply-probs-on-input"),
     # megatron's router raises at the first forward: its fused top-k is Transformer Engine's.
     "router-fusion-without-transformer-engine": (1, ["--moe-router-fusion"], "--moe-router-fusion"),
+    # a bare assert of megatron's names its flag from the source line (`assert not args.bf16`)
+    "fp16-and-bf16": (1, ["--fp16"], "--bf16: megatron refuses this command line"),
     "layernorm-1p-on-the-local-spec": (1, ["--apply-layernorm-1p"], "--apply-layernorm-1p"),
     # torch's norms get fp32 input with bf16 weights at the first forward (below).
     "fp32-residual-on-torch-norms": (1, ["--fp32-residual-connection"],
