@@ -441,6 +441,61 @@ def check_megatron_fsdp_pipeline_parallel(args) -> None:
                              "parallelism")
 
 
+@preflight_check("megatron-fsdp-main-weights-clip")
+def check_megatron_fsdp_main_weights_clip(args) -> None:
+    # Megatron-FSDP hands the optimizer gradients in its main weights' dtype; megatron-core
+    # 0.19.2's gradient clipping asserts fp32 gradients (clip_grad_by_total_norm_fp32), so
+    # bf16/fp16 main weights (or 'auto' on a bf16/fp16 model) with --clip-grad above 0 fail on
+    # every rank at the first step. The precision-aware optimizer clips its decoupled fp32 grads.
+    if not args.use_megatron_fsdp or not args.clip_grad or args.clip_grad <= 0 \
+            or getattr(args, "use_precision_aware_optimizer", False):
+        return
+    dtype = getattr(args, "megatron_fsdp_main_params_dtype", "fp32")
+    if dtype == "auto":
+        dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if dtype in ("bf16", "fp16"):
+        raise PreflightError("--megatron-fsdp-main-params-dtype",
+                             f"--use-megatron-fsdp with {dtype} main weights "
+                             f"(--megatron-fsdp-main-params-dtype "
+                             f"{args.megatron_fsdp_main_params_dtype}) and --clip-grad "
+                             f"{args.clip_grad}: megatron-core 0.19.2 clips fp32 gradients only "
+                             f"and every rank fails at the first step; fix: pass "
+                             f"--megatron-fsdp-main-params-dtype fp32, or --clip-grad 0")
+
+
+@preflight_check("megatron-fsdp-meta-device-cpu-initialization")
+def check_megatron_fsdp_meta_device_cpu_initialization(args) -> None:
+    # --init-model-with-meta-device builds the model under torch's meta device; with
+    # --use-cpu-initialization (the CPU platform's default) megatron's own layers (the embedding,
+    # the local spec's linears) make their weights there too, and Megatron-FSDP can materialize
+    # only modules with a reset_parameters: every rank fails wrapping the model. Without it those
+    # layers allocate on the GPU and Transformer Engine's layers reset themselves.
+    if args.use_megatron_fsdp and getattr(args, "init_model_with_meta_device", False) \
+            and args.use_cpu_initialization:
+        raise PreflightError("--init-model-with-meta-device",
+                             "--init-model-with-meta-device with --use-cpu-initialization "
+                             "(the CPU platform's default): megatron's own layers are then made "
+                             "on the meta device, which Megatron-FSDP cannot materialize (no "
+                             "reset_parameters), and every rank fails wrapping the model; fix: "
+                             "drop --init-model-with-meta-device (on a GPU, dropping "
+                             "--use-cpu-initialization keeps it)")
+
+
+@preflight_check("distributed-optimizer-state-function")
+def check_distributed_optimizer_state_function(args) -> None:
+    # megatron-core 0.19.2's DistributedOptimizer takes Adam, or an optimizer built with a state
+    # function (Lion, the emerging optimizers); it builds SGD without one and asserts on every
+    # rank once the model is built. Megatron-FSDP always uses the distributed optimizer.
+    if args.optimizer == "sgd" and (args.use_distributed_optimizer or args.use_megatron_fsdp):
+        raise PreflightError("--optimizer",
+                             "--optimizer sgd with the distributed optimizer "
+                             "(--use-distributed-optimizer, which --use-megatron-fsdp needs): "
+                             "megatron-core 0.19.2 hands it no state function and asserts on "
+                             "every rank once the model is built; fix: --optimizer adam, or "
+                             "train SGD without --use-distributed-optimizer and "
+                             "--use-megatron-fsdp")
+
+
 @preflight_check("qk-clip-megatron-fsdp")
 def check_qk_clip_megatron_fsdp(args) -> None:
     # megatron-core 0.19.2's QK-clip rescales each attention layer's weights as whole matrices

@@ -32,6 +32,8 @@ def without(flags: list[str], flag: str, values: int = 0) -> list[str]:
 
 
 BASE = [*TINY_MODEL, "--train-iters", "2"]
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format",
+                 "fsdp_dtensor", "--data-parallel-sharding-strategy", "optim_grads_params"]
 # name: (world size, flags, flag the refusal must name)
 CASES = {
     "tp-does-not-divide-world": (4, ["--tensor-model-parallel-size", "3"],
@@ -117,6 +119,19 @@ CASES = {
     "probs-on-input-with-top-2": (1, ["--moe-apply-probs-on-input"], "--moe-apply-probs-on-input"),
     # megatron's router raises at the first forward: its fused top-k is Transformer Engine's.
     "router-fusion-without-transformer-engine": (1, ["--moe-router-fusion"], "--moe-router-fusion"),
+    # megatron fails on every rank once the model is built, or at the first step
+    # (test_without_the_check_megatron_fails_on_these_fsdp_and_optimizer_choices below).
+    "sgd-with-the-distributed-optimizer": (1, ["--optimizer", "sgd",
+                                               "--use-distributed-optimizer"], "--optimizer"),
+    "megatron-fsdp-bf16-main-weights-clipped": (1, [*MEGATRON_FSDP,
+                                                    "--megatron-fsdp-main-params-dtype", "bf16"],
+                                                "--megatron-fsdp-main-params-dtype"),
+    "megatron-fsdp-auto-main-weights-clipped": (1, [*MEGATRON_FSDP,
+                                                    "--megatron-fsdp-main-params-dtype", "auto"],
+                                                "--megatron-fsdp-main-params-dtype"),
+    "megatron-fsdp-meta-device-with-cpu-initialization": (1, [*MEGATRON_FSDP,
+                                                              "--init-model-with-meta-device"],
+                                                          "--init-model-with-meta-device"),
     # a bare assert of megatron's names its flag from the source line (`assert not args.bf16`)
     "fp16-and-bf16": (1, ["--fp16"], "--bf16: megatron refuses this command line"),
     "layernorm-1p-on-the-local-spec": (1, ["--apply-layernorm-1p"], "--apply-layernorm-1p"),
@@ -422,6 +437,35 @@ def test_without_the_check_megatron_fails_on_fp32_residuals_through_torch_norms(
     with pytest.raises(RuntimeError, match="dtype"):
         cpu.train_step_loss(bf16_gpt(fp32_residual_connection=True), batch=2, seq_length=16)
     assert torch.isfinite(cpu.train_step_loss(bf16_gpt(), batch=2, seq_length=16))
+
+
+def test_megatron_fsdp_low_precision_main_weights_pass_without_clipping(monkeypatch):
+    assert judge(1, [*BASE, *MEGATRON_FSDP, "--megatron-fsdp-main-params-dtype", "bf16",
+                     "--clip-grad", "0"], monkeypatch) is None
+
+
+# case -> (the check left out, what megatron-core 0.19.2 raises)
+MEGATRON_FAILS = {
+    "sgd-with-the-distributed-optimizer": ("distributed-optimizer-state-function",
+                                           "Only Adam, HybridDeviceOptimizer, and optimizers "
+                                           "with an init_state_fn"),
+    "megatron-fsdp-bf16-main-weights-clipped": ("megatron-fsdp-main-weights-clip",
+                                                "assert param.grad.type() == "
+                                                "'torch.cuda.FloatTensor'"),
+    "megatron-fsdp-meta-device-with-cpu-initialization": (
+        "megatron-fsdp-meta-device-cpu-initialization",
+        "does not have a reset_parameters or _reset_parameters method"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MEGATRON_FAILS)
+def test_without_the_check_megatron_fails_on_these_fsdp_and_optimizer_choices(case, tmp_path):
+    check, error = MEGATRON_FAILS[case]
+    _, argv, _ = case_command_line(case, tmp_path / "ckpt")
+    run = launch(1, argv, env={"PREFLIGHT_LEFT_OUT": check},
+                 script=REPO / "tests" / "_preflight_left_out.py", timeout=300)
+    assert run.returncode != 0 and error in run.log, run.log[-3000:]
 
 
 def test_without_the_check_megatron_refuses_seed_0_as_it_seeds_every_rank():
