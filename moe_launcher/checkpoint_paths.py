@@ -5,9 +5,8 @@ naming a run's parent folder, or a data folder). An empty folder, and the run's 
 before its first checkpoint, start fresh, as megatron does. A --save that holds another run's
 committed checkpoint is refused to a run that does not continue it (save_continuity); a
 torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only; a distributed --load
-under --ckpt-format torch; a resume whose checkpoint holds no optimizer state, or another kind of
-optimizer's, that the run would load; a torch-format --load at another TP or PP size (megatron
-fails on all of these only once the model is built). Registered with
+under --ckpt-format torch, and a torch-format --load at another TP or PP size (megatron fails on
+both only once the model is built). Registered with
 `preflight_check` (imported by megatron_validation.checked_command_line).
 """
 
@@ -153,45 +152,6 @@ def check_load_format(args) -> None:
                          f"reads the torch format only (megatron fails on every rank once the "
                          f"model is built); fix: pass --ckpt-format {saved}, or "
                          f"--auto-detect-ckpt-format")
-
-
-@preflight_check("load-optimizer-state", machine=True)
-def check_load_optimizer_state(args) -> None:
-    # A resume loads the optimizer's state unless --no-load-optim or --finetune (megatron skips
-    # it for a release). megatron-core 0.19.2 fails on every rank, after the model is built, where
-    # the checkpoint holds none (--no-save-optim: KeyError 'optimizer', or Missing key for
-    # fsdp_dtensor) or was written by the other kind of optimizer (torch_dist): a distributed
-    # optimizer's state into a plain one (its keys: bucket layout, or "param" for the plain
-    # one's "fp32_param"), a plain one's into a distributed one ("ShardedTensor.flattened_range
-    # is not supported"). The torch format is not judged here.
-    iteration = loaded_iteration_dir(args.load, args.ckpt_step)
-    if (iteration is None or args.no_load_optim or args.finetune
-            or os.path.basename(iteration) == "release"
-            or not os.path.isfile(os.path.join(iteration, ".metadata"))):
-        return
-    try:
-        saved = read_checkpoint_metadata(iteration, with_payload=False)
-    except UnreadableCheckpoint:
-        return  # the load checks judge it
-    if not any(key.startswith("optimizer.") for key in saved.tensors):
-        raise PreflightError("--no-load-optim",
-                             f"--load {iteration} holds no optimizer state (saved with "
-                             "--no-save-optim), and this run would load it (megatron fails on "
-                             "every rank once the model is built); fix: pass --no-load-optim "
-                             "to resume the weights with a fresh optimizer")
-    if saved.format != "torch_dist" or saved.args is None:
-        return
-    was = bool(getattr(saved.args, "use_distributed_optimizer", False))
-    if was == bool(args.use_distributed_optimizer):
-        return
-    kind = {True: "a distributed optimizer (--use-distributed-optimizer)",
-            False: "a plain optimizer (no --use-distributed-optimizer)"}
-    raise PreflightError("--use-distributed-optimizer",
-                         f"--load {iteration} holds the state of {kind[was]}, and this run has "
-                         f"{kind[not was]}: megatron-core 0.19.2 cannot load one into the "
-                         "other and fails on every rank once the model is built; fix: resume "
-                         f"{'with' if was else 'without'} --use-distributed-optimizer, or pass "
-                         "--no-load-optim to resume the weights with a fresh optimizer")
 
 
 # The layout a torch-format checkpoint's files are cut by, which a load cannot change.

@@ -1,8 +1,6 @@
 """A resume megatron-core 0.19.2 cannot load is refused before any work (checkpoint_paths.py's
-load-format, load-optimizer-state, load-torch-format-layout): a distributed checkpoint under
---ckpt-format torch, a checkpoint without optimizer state (--no-save-optim) into a run that loads
-it, a torch_dist checkpoint of one kind of optimizer into a run with the other (distributed or
-plain), and a torch-format checkpoint at another tensor-parallel size. The checkpoints are real
+load-format, load-torch-format-layout): a distributed checkpoint under --ckpt-format torch, and a
+torch-format checkpoint at another tensor-parallel size. The checkpoints are real
 saves (1 rank; the TP2 one 2); each refusal is judged in this process (tests/_judge.py) and,
 with the check left out (tests/_preflight_left_out.py), megatron's own load fails on the rank
 once the model is built, as the refusal says.
@@ -21,8 +19,7 @@ BASE = [*TINY_MODEL, "--train-iters", "2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 TORCH_TP2 = ["--ckpt-format", "torch", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 # name: (world, flags)
-SAVES = {"distributed": (1, DISTRIBUTED), "plain": (1, []),
-         "without-optimizer": (1, ["--no-save-optim"]), "torch-tp2": (2, TORCH_TP2)}
+SAVES = {"distributed": (1, DISTRIBUTED), "torch-tp2": (2, TORCH_TP2)}
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +44,11 @@ REFUSED = {
                                    "--tensor-model-parallel-size 2"),
     "distributed-under-ckpt-format-torch": ("distributed", [*DISTRIBUTED, "--ckpt-format",
                                                             "torch"], "--ckpt-format"),
-    "no-optimizer-state": ("without-optimizer", [], "--no-load-optim"),
-    "distributed-into-plain": ("distributed", [], "--use-distributed-optimizer"),
-    "plain-into-distributed": ("plain", DISTRIBUTED, "--use-distributed-optimizer"),
 }
 ACCEPTED = {
     "distributed-as-saved": ("distributed", DISTRIBUTED),
-    "plain-as-saved": ("plain", []),
     "auto-detected-format": ("distributed", [*DISTRIBUTED, "--ckpt-format", "torch",
                                              "--auto-detect-ckpt-format"]),
-    "no-optimizer-state-not-loaded": ("without-optimizer", ["--no-load-optim"]),
-    "distributed-weights-into-plain": ("distributed", ["--no-load-optim"]),
-    "plain-weights-into-distributed": ("plain", [*DISTRIBUTED, "--no-load-optim"]),
     "torch-format-at-its-tp": ("torch-tp2", TORCH_TP2),
 }
 
@@ -86,10 +76,6 @@ MEGATRON_FAILS = {
                                    "(1)"),
     "distributed-under-ckpt-format-torch": ("load-format", "RuntimeError: Detected load from a "
                                             "distributed checkpoint"),
-    "no-optimizer-state": ("load-optimizer-state", "KeyError: 'optimizer'"),
-    "distributed-into-plain": ("load-optimizer-state", "from model not in state dict"),
-    "plain-into-distributed": ("load-optimizer-state", "ShardedTensor.flattened_range is not "
-                                                       "supported"),
 }
 
 
