@@ -132,7 +132,6 @@ def check_megatron_fsdp_pipeline_layout(args) -> None:
                          "--use-megatron-fsdp)")
 
 
-
 @preflight_check("load-format", machine=True)
 def check_load_format(args) -> None:
     # megatron-core 0.19.2 reads --load in --ckpt-format's format unless
