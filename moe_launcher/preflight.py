@@ -448,9 +448,9 @@ def check_megatron_fsdp_main_weights_clip(args) -> None:
     # bf16/fp16 main weights (or 'auto' on a bf16/fp16 model) with --clip-grad above 0 fail on
     # every rank at the first step. The precision-aware optimizer clips its decoupled fp32 grads.
     if not args.use_megatron_fsdp or not args.clip_grad or args.clip_grad <= 0 \
-            or getattr(args, "use_precision_aware_optimizer", False):
+            or args.use_precision_aware_optimizer:
         return
-    dtype = getattr(args, "megatron_fsdp_main_params_dtype", "fp32")
+    dtype = args.megatron_fsdp_main_params_dtype
     if dtype == "auto":
         dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if dtype in ("bf16", "fp16"):
