@@ -34,9 +34,20 @@ def launcher_checks():
 
 def judge(world: int, argv: list[str], monkeypatch) -> str | None:
     """None when every check before work passes; else the refusal line."""
+    from moe_launcher.runtime.refusals import PreflightError
+
+    try:
+        checked_args(world, argv, monkeypatch)
+        return None
+    except PreflightError as error:
+        return error.line()
+
+
+def checked_args(world: int, argv: list[str], monkeypatch):
+    """megatron's arguments for `argv` as rank 0 of `world` gets them after every check before
+    work (what its load then reads); raises PreflightError where a check refuses."""
     from moe_launcher.platform_defaults import set_environment_defaults
     from moe_launcher.preflight import check_gpu_request
-    from moe_launcher.runtime.refusals import PreflightError
 
     entry = launcher_checks()
     environ = {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}
@@ -45,13 +56,9 @@ def judge(world: int, argv: list[str], monkeypatch) -> str | None:
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the entry sets megatron's argv
-    try:
-        check_gpu_request(argv, cuda_available=False)
-        with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every argument
-            entry(with_launcher_defaults(argv))
-        return None
-    except PreflightError as error:
-        return error.line()
+    check_gpu_request(argv, cuda_available=False)
+    with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every argument
+        return entry(with_launcher_defaults(argv))[0]
 
 
 def with_launcher_defaults(argv: list[str]) -> list[str]:

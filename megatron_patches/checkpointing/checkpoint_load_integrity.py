@@ -1,4 +1,9 @@
-"""megatron's --save-retain-interval deletes the previous iteration inside save_checkpoint (a thread
+"""Before megatron's load_checkpoint reads anything, rank 0 judges the checkpoint it would read and
+every rank gets the verdict: its files (tracker, `.metadata`, `.distcp` sizes:
+`file_checks`) and whether this run can load its optimizer state (`optimizer_state`: saved
+without one, or by the other kind of optimizer). A refusal is one line, on every rank.
+
+megatron's --save-retain-interval deletes the previous iteration inside save_checkpoint (a thread
 started just after its tracker write), that is before this patch's commit; a crash then left the
 tracker naming a deleted directory. During a wrapped save megatron's deletion
 (`checkpointing._async_delete_checkpoint_impl`, which its retention code starts) only records the
@@ -19,7 +24,7 @@ from typing import Callable
 
 from megatron_patches.checkpointing.atomic_checkpoint_commit import install, own, writer_claims_of
 from megatron_patches.registry import Patch, PatchContext, register
-from moe_launcher.checkpoint_files import file_checks, save_continuity
+from moe_launcher.checkpoint_files import file_checks, optimizer_state, save_continuity
 from moe_launcher.checkpoint_files import reads as checkpoint_reads
 from moe_launcher.runtime import collectives
 from moe_launcher.runtime.refusals import CheckpointLoadError
@@ -52,9 +57,7 @@ def _wrap_load(original: Callable) -> Callable:
                 # ones: 1,024 ranks stat-ing every .distcp file is millions of metadata
                 # operations), all ranks get its verdict.
                 problems = collectives.union(
-                    file_checks.load_problems(load_dir, getattr(margs, "ckpt_step", None),
-                                  getattr(margs, "ckpt_format", None))
-                    if collectives.rank() == 0 else [])
+                    _load_problems(load_dir, margs) if collectives.rank() == 0 else [])
                 if problems:
                     raise CheckpointLoadError(" | ".join(problems), every_rank=True)
             with _schedule_mismatch_refused(call.arguments.get("opt_param_scheduler"), load_dir):
@@ -62,6 +65,14 @@ def _wrap_load(original: Callable) -> Callable:
 
     setattr(load_checkpoint, _MARK, True)
     return load_checkpoint
+
+
+def _load_problems(load_dir: str, margs) -> list[str]:
+    """Rank 0's verdict on the checkpoint in `load_dir`: its files, then whether this run can
+    load its optimizer state (both from the `.metadata` and common state megatron then reuses)."""
+    ckpt_step = getattr(margs, "ckpt_step", None)
+    return (file_checks.load_problems(load_dir, ckpt_step, getattr(margs, "ckpt_format", None))
+            or optimizer_state.load_problems(load_dir, ckpt_step, margs))
 
 
 # What megatron's scheduler check calls each value, and the flags that set it.
@@ -126,7 +137,9 @@ register(Patch(
     upstream="local (megatron reads damaged files rank by rank; no pre-load check)",
     versions=">=0.15,<0.20",
     summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "
-            "and .distcp sizes (on rank 0) and refuses a damaged checkpoint on every rank",
+            "and .distcp sizes (on rank 0) and refuses a damaged checkpoint on every rank, and "
+            "one whose optimizer state this run cannot load (saved without one, or by the "
+            "other kind of optimizer)",
     not_needed_because=_load_check_not_needed,
     apply=_apply_load_check,
 ))

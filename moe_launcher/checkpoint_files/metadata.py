@@ -23,6 +23,8 @@ from moe_launcher.checkpoint_files import reads as checkpoint_reads
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 # megatron-core >=0.17 keeps the common (non-tensor) state as this one object inside the checkpoint.
 COMMON_STATE_KEY = "common_state/shard_0_1"
+# megatron's key for the content metadata in that common state (dist_checkpointing.serialization).
+CONTENT_METADATA_KEY = "content_metadata"
 
 
 class UnreadableCheckpoint(Exception):
@@ -44,6 +46,9 @@ class CheckpointMetadata:
     tensors: Mapping[str, SavedTensor]
     args: Any  # the saved training args Namespace, None if the checkpoint has none
     payload_bytes: int  # sum of the .distcp file sizes
+    # megatron's `content_metadata` of a torch_dist save (how its state dict was cut: the
+    # distributed optimizer's sharding type, ...), None where none was saved or read.
+    content: Mapping[str, Any] | None = None
 
 
 class _SavedTensors(Mapping):
@@ -113,10 +118,10 @@ def _read(path: str, with_args: bool, with_payload: bool) -> CheckpointMetadata:
         fmt = "fsdp_dtensor" if any(k.startswith("model.") for k in state) else "torch_dist"
 
     tensors = _SavedTensors(state)
-    args = _read_args(path, state) if with_args else None
+    args, content = _read_saved(path, state) if with_args else (None, None)
     payload = sum(os.stat(os.path.join(path, f)).st_size
                   for f in os.listdir(path) if f.endswith(".distcp")) if with_payload else 0
-    return CheckpointMetadata(path, fmt, tensors, args, payload)
+    return CheckpointMetadata(path, fmt, tensors, args, payload, content)
 
 
 def saved_backend(iteration_dir: str) -> str | None:
@@ -134,23 +139,27 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def _read_args(path: str, state: dict) -> Any:
-    """The training args: from common.pt (legacy), the common state megatron-core >=0.17 keeps in
-    the checkpoint, or fsdp_dtensor's one `args` object."""
+def _read_saved(path: str, state: dict) -> tuple[Any, Mapping[str, Any] | None]:
+    """(training args, content metadata) from the common state: common.pt (legacy) or the one
+    megatron-core >=0.17 keeps in the checkpoint; fsdp_dtensor keeps only its `args` object."""
     common_pt = os.path.join(path, "common.pt")
     if os.path.isfile(common_pt):
-        return torch.load(common_pt, map_location="cpu", weights_only=False).get("args")
-    if isinstance(state.get(COMMON_STATE_KEY), BytesStorageMetadata):
+        common = torch.load(common_pt, map_location="cpu", weights_only=False)
+    elif isinstance(state.get(COMMON_STATE_KEY), BytesStorageMetadata):
         try:
             common = checkpoint_reads.common_state(
                 path, lambda directory: _read_object(directory, COMMON_STATE_KEY)[0])
         except Exception as e:  # megatron's own load of it would fail the same way
             raise UnreadableCheckpoint(f"{path}: the common state (saved args) is unreadable: "
                                        f"{type(e).__name__}: {e}") from e
-        return common.get("args") if isinstance(common, dict) else None
-    if isinstance(state.get("args"), BytesStorageMetadata):
-        return _read_object(path, "args")
-    return None
+    elif isinstance(state.get("args"), BytesStorageMetadata):
+        return _read_object(path, "args"), None
+    else:
+        return None, None
+    if not isinstance(common, dict):
+        return None, None
+    content = common.get(CONTENT_METADATA_KEY)
+    return common.get("args"), content if isinstance(content, Mapping) else None
 
 
 def _read_object(path: str, key: str) -> Any:

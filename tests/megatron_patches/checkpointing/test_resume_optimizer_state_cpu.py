@@ -1,0 +1,109 @@
+"""A resume that would load optimizer state megatron-core 0.19.2 cannot load is refused by
+checkpoint-load-integrity (moe_launcher/checkpoint_files/optimizer_state.py): a checkpoint saved
+with --no-save-optim (torch_dist and Megatron-FSDP's fsdp_dtensor), and a torch_dist checkpoint
+of the distributed optimizer resumed by the plain one and the other way round.
+
+The checkpoints are real saves, the distributed optimizer's on 2 ranks (its state is then byte
+objects, not tensors). Each resume is judged in this process with megatron's own arguments for
+the command line (tests/_judge.py), accepted ones too; each refused one is launched, with the
+patch (one line, every rank exits non-zero, nothing written to --save) and without it
+(MEGATRON_PATCHES_DISABLE): megatron's own load then fails on every rank once the model is built,
+so the refusal is not a false one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _judge import checked_args
+from _launch import TINY_MODEL, launch
+from moe_launcher.checkpoint_files import optimizer_state
+
+pytestmark = pytest.mark.slow
+
+PATCH = "checkpoint-load-integrity"
+BASE = [*TINY_MODEL, "--train-iters", "2"]
+DISTRIBUTED = ["--use-distributed-optimizer"]
+FULLY_RESHARDABLE = [*DISTRIBUTED, "--dist-ckpt-optim-fully-reshardable"]
+MEGATRON_FSDP = ["--use-megatron-fsdp", *DISTRIBUTED, "--ckpt-format", "fsdp_dtensor",
+                 "--data-parallel-sharding-strategy", "optim_grads_params"]
+# name: (world, flags)
+SAVES = {
+    "distributed": (2, DISTRIBUTED),
+    "plain": (1, []),
+    "no-optimizer": (1, ["--no-save-optim"]),
+    "megatron-fsdp-no-optimizer": (2, [*MEGATRON_FSDP, "--no-save-optim"]),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """name -> a --save folder holding iteration 1 of a run saved with SAVES[name]."""
+    folders = {}
+    for name, (world, flags) in SAVES.items():
+        folder = tmp_path_factory.mktemp(name)
+        launch(world, [*BASE, "--exit-interval", "1", "--save", str(folder),
+                       "--save-interval", "1", *flags], timeout=300).check()
+        folders[name] = folder
+    return folders
+
+
+# name: (checkpoint, the resume's flags, what the refusal names)
+REFUSED = {
+    "no-optimizer-state": ("no-optimizer", [], "--no-save-optim"),
+    "megatron-fsdp-no-optimizer-state": ("megatron-fsdp-no-optimizer", MEGATRON_FSDP,
+                                         "--no-save-optim"),
+    "distributed-into-plain": ("distributed", [], "resume with --use-distributed-optimizer"),
+    "plain-into-distributed": ("plain", DISTRIBUTED, "resume without --use-distributed-optimizer"),
+}
+ACCEPTED = {
+    "distributed-as-saved": ("distributed", DISTRIBUTED),
+    "distributed-fully-reshardable": ("distributed", FULLY_RESHARDABLE),
+    "plain-as-saved": ("plain", []),
+    "no-optimizer-weights-only": ("no-optimizer", ["--no-load-optim"]),
+    "no-optimizer-finetune": ("no-optimizer", ["--finetune"]),
+    "distributed-into-plain-weights-only": ("distributed", ["--no-load-optim"]),
+}
+
+
+def resume(folder, flags: list[str], save) -> list[str]:
+    return [*BASE, "--load", str(folder), "--save", str(save), "--save-interval", "1", *flags]
+
+
+def judged(world: int, folder, flags: list[str], tmp_path, monkeypatch) -> list[str]:
+    args = checked_args(world, resume(folder, flags, tmp_path / "save"), monkeypatch)
+    return optimizer_state.load_problems(str(folder), args.ckpt_step, args)
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_resume_megatron_cannot_load_the_optimizer_of_is_judged_refused(case, saved, tmp_path,
+                                                                          monkeypatch):
+    checkpoint, flags, named = REFUSED[case]
+    problems = judged(SAVES[checkpoint][0], saved[checkpoint], flags, tmp_path, monkeypatch)
+    assert len(problems) == 1, f"{case}: {problems}"
+    assert named in problems[0] and "fix: " in problems[0] and "--no-load-optim" in problems[0]
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_a_resume_megatron_loads_is_judged_fine(case, saved, tmp_path, monkeypatch):
+    checkpoint, flags = ACCEPTED[case]
+    assert judged(SAVES[checkpoint][0], saved[checkpoint], flags, tmp_path, monkeypatch) == []
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["refused", "megatron-fails-without"])
+@pytest.mark.parametrize("case", REFUSED)
+def test_the_launched_resume(case, patched, saved, tmp_path):
+    checkpoint, flags, named = REFUSED[case]
+    world = SAVES[checkpoint][0]
+    run = launch(world, resume(saved[checkpoint], flags, tmp_path / "save"),
+                 env={} if patched else {"MEGATRON_PATCHES_DISABLE": PATCH}, timeout=300)
+    assert run.returncode != 0, run.log[-3000:]
+    if patched:
+        lines = [line for line in run.log.splitlines() if "pretrain_moe: error: " in line]
+        assert len(lines) == 1 and named in lines[0], run.log[-3000:]
+        assert "Traceback" not in run.log, run.log[-3000:]
+        assert not (tmp_path / "save").exists()
+        return
+    # megatron's own load, after the model and optimizer are built: a traceback on every rank
+    assert "in load_checkpoint" in run.log, run.log[-3000:]
+    assert run.log.count("Traceback") >= world, run.log[-3000:]
