@@ -1,7 +1,8 @@
 """A resume that would load optimizer state megatron-core 0.19.2 cannot load is refused by
 checkpoint-load-integrity (moe_launcher/checkpoint_files/optimizer_state.py): a checkpoint saved
-with --no-save-optim (torch_dist and Megatron-FSDP's fsdp_dtensor), and a torch_dist checkpoint
-of the distributed optimizer resumed by the plain one and the other way round.
+with --no-save-optim (torch_dist, Megatron-FSDP's fsdp_dtensor, the torch format), and a
+checkpoint of the distributed optimizer resumed by the plain one and the other way round
+(torch_dist and the torch format).
 
 The checkpoints are real saves, the distributed optimizer's on 2 ranks (its state is then byte
 objects, not tensors). Each resume is judged in this process with megatron's own arguments for
@@ -25,6 +26,7 @@ PATCH = "checkpoint-load-integrity"
 BASE = [*TINY_MODEL, "--train-iters", "2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 FULLY_RESHARDABLE = [*DISTRIBUTED, "--dist-ckpt-optim-fully-reshardable"]
+TORCH_FORMAT = ["--ckpt-format", "torch"]
 MEGATRON_FSDP = ["--use-megatron-fsdp", *DISTRIBUTED, "--ckpt-format", "fsdp_dtensor",
                  "--data-parallel-sharding-strategy", "optim_grads_params"]
 # name: (world, flags)
@@ -33,6 +35,9 @@ SAVES = {
     "plain": (1, []),
     "no-optimizer": (1, ["--no-save-optim"]),
     "megatron-fsdp-no-optimizer": (2, [*MEGATRON_FSDP, "--no-save-optim"]),
+    "torch-distributed": (1, [*TORCH_FORMAT, *DISTRIBUTED]),
+    "torch-plain": (1, TORCH_FORMAT),
+    "torch-no-optimizer": (1, [*TORCH_FORMAT, "--no-save-optim"]),
 }
 
 
@@ -55,6 +60,11 @@ REFUSED = {
                                          "--no-save-optim"),
     "distributed-into-plain": ("distributed", [], "resume with --use-distributed-optimizer"),
     "plain-into-distributed": ("plain", DISTRIBUTED, "resume without --use-distributed-optimizer"),
+    "torch-no-optimizer-state": ("torch-no-optimizer", TORCH_FORMAT, "--no-save-optim"),
+    "torch-distributed-into-plain": ("torch-distributed", TORCH_FORMAT,
+                                     "resume with --use-distributed-optimizer"),
+    "torch-plain-into-distributed": ("torch-plain", [*TORCH_FORMAT, *DISTRIBUTED],
+                                     "resume without --use-distributed-optimizer"),
 }
 ACCEPTED = {
     "distributed-as-saved": ("distributed", DISTRIBUTED),
@@ -63,6 +73,8 @@ ACCEPTED = {
     "no-optimizer-weights-only": ("no-optimizer", ["--no-load-optim"]),
     "no-optimizer-finetune": ("no-optimizer", ["--finetune"]),
     "distributed-into-plain-weights-only": ("distributed", ["--no-load-optim"]),
+    "torch-distributed-as-saved": ("torch-distributed", [*TORCH_FORMAT, *DISTRIBUTED]),
+    "torch-plain-as-saved": ("torch-plain", TORCH_FORMAT),
 }
 
 
