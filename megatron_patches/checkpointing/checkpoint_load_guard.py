@@ -8,7 +8,10 @@ saved in the checkpoint (for torch_dist inside `dist_checkpointing.load`, on the
 ranks agree. Tensors megatron itself allows to differ in shape (`allow_shape_mismatch`: the
 TP-dependent vocabulary padding of embeddings, output layer, MTP) are only checked for tiling.
 A difference the parallel layout explains (dp_reshardable optimizer buckets) is refused as a
-layout change, not as #1836.
+layout change, not as #1836. A torch_dist tensor the run loads and the checkpoint lacks (another
+--optimizer, a switch between fp32 and bf16/fp16, a model built otherwise), where megatron's
+strict handling would fail the load on every rank with a KeyError, is refused naming the tensors,
+the optimizer flags changed since the save, and the fix.
 """
 
 from __future__ import annotations
@@ -52,7 +55,16 @@ from megatron_patches.checkpointing.checkpoint_completeness_guard import (
 
 
 # Problem kinds, most serious first: the refusal is worded after the first kind present.
-DAMAGE, MISMATCH, LAYOUT = "damage", "mismatch", "layout"
+DAMAGE, MISMATCH, LAYOUT, ABSENT = "damage", "mismatch", "layout", "absent"
+# megatron's strict handlings (--dist-ckpt-strictness) under which a tensor the run loads and the
+# checkpoint lacks fails the load on every rank: the default in torch's load planner (`KeyError:
+# "... from model not in state dict"`), the raise_* ones in megatron's own validation. The others
+# drop it from the load (log_*, return_*, ignore_all).
+_ABSENT_FAILS = ("assume_ok_unexpected", "raise_unexpected", "raise_all")
+_ABSENT_PER_RANK = 24  # what one rank sends of its absent tensors' names
+# The arguments whose change makes a resume's optimizer tensors others than the saved ones.
+_OPTIMIZER_FLAGS = (("--optimizer", "optimizer"), ("--bf16", "bf16"), ("--fp16", "fp16"),
+                    ("--use-distributed-optimizer", "use_distributed_optimizer"))
 _LAYOUT_BOUND = re.compile(r"(^|\.)optimizer\.distributed\..*bucket_idx_")
 _LAYOUT_NAMES = ("TP", "PP", "EP", "ETP", "CP", "DP")
 
@@ -124,20 +136,32 @@ def _judge_saved(key: str, model_shape, allow_shape_mismatch: bool, saved: Saved
 
 
 def _checkpoint_for_load(checkpoint_dir: str):
-    """(tensors, dims, (saved layout, current layout)) or the reason it cannot be read. Reads
-    `.metadata` once and stats no .distcp file (checkpoint-load-integrity checks the files)."""
+    """(tensors, dims, (saved layout, current layout), saved args) or the reason it cannot be
+    read. Reads `.metadata` once and stats no .distcp file (checkpoint-load-integrity checks the
+    files)."""
     meta = read_checkpoint_metadata(str(checkpoint_dir), with_args=True, with_payload=False)
     dims = ModelDims.from_args(meta.args) if meta.args is not None else None
-    return meta.tensors, dims, (_saved_layout(meta.args), _current_layout())
+    return meta.tensors, dims, (_saved_layout(meta.args), _current_layout()), meta.args
 
 
-def load_problems(sharded_state_dict: Any, checkpoint_dir: str) -> list[tuple[str, str]]:
-    """(kind, problem) for loading torch_dist `checkpoint_dir` into this rank's state dict."""
+def load_problems(sharded_state_dict: Any, checkpoint_dir: str,
+                  strict: Any = "assume_ok_unexpected") -> list[tuple[str, str]]:
+    """(kind, problem) for loading torch_dist `checkpoint_dir` into this rank's state dict
+    under megatron's `strict` handling."""
     try:
-        saved, dims, layouts = _checkpoint_for_load(checkpoint_dir)
+        saved, dims, layouts, _ = _checkpoint_for_load(checkpoint_dir)
     except UnreadableCheckpoint as e:
         return [(DAMAGE, str(e))]
-    return judge_against_saved(sharded_tensors(sharded_state_dict), saved, dims, layouts)
+    shardings = sharded_tensors(sharded_state_dict)
+    problems = judge_against_saved(shardings, saved, dims, layouts)
+    if getattr(strict, "value", strict) in _ABSENT_FAILS:
+        absent = sorted({sh.key for sh in shardings if sh.key not in saved})
+        # dp_reshardable buckets are cut by the layout: absent ones after a layout change are it
+        moved = layouts[0] is not None and layouts[0] != layouts[1]
+        problems += [(LAYOUT, f"{key}: not in the checkpoint")
+                     if moved and _LAYOUT_BOUND.search(key) else (ABSENT, key)
+                     for key in absent[:_ABSENT_PER_RANK]]
+    return problems
 
 
 def judge_against_saved(shardings: list[ShardedTensor], saved: dict[str, SavedTensor],
@@ -147,7 +171,7 @@ def judge_against_saved(shardings: list[ShardedTensor], saved: dict[str, SavedTe
     problems, judged = set(), set()
     for sh in shardings:
         question = (sh.key, tuple(sh.global_shape), sh.allow_shape_mismatch)
-        # missing keys are megatron's strict-loading business
+        # absent keys: load_problems, after megatron's strict handling
         if sh.key in saved and question not in judged:
             judged.add(question)
             found = _judge_saved(sh.key, sh.global_shape, sh.allow_shape_mismatch, saved[sh.key],
@@ -160,7 +184,7 @@ def judge_against_saved(shardings: list[ShardedTensor], saved: dict[str, SavedTe
 def fsdp_dtensor_load_problems(state_dict: dict, checkpoint_dir: str) -> list[tuple[str, str]]:
     """The same for an fsdp_dtensor load: DTensors keyed the way DCP flattens them."""
     try:
-        saved, dims, layouts = _checkpoint_for_load(checkpoint_dir)
+        saved, dims, layouts, _ = _checkpoint_for_load(checkpoint_dir)
     except UnreadableCheckpoint as e:
         return [(DAMAGE, str(e))]
     problems = set()
@@ -181,7 +205,30 @@ def _flatten(tree: Any, prefix: str):
         yield prefix[:-1], tree
 
 
-def _load_refusal(checkpoint_dir: Any, problems: list[tuple[str, str]], layouts: tuple) -> str:
+def _changed_optimizer_flags(saved_args: Any) -> str:
+    """'--optimizer adam -> sgd, ...' for the optimizer arguments this run changed."""
+    from megatron.training.global_vars import get_args
+
+    if saved_args is None:
+        return ""
+    run = get_args()
+    values = [(flag, getattr(saved_args, name, None) or False, getattr(run, name, None) or False)
+              for flag, name in _OPTIMIZER_FLAGS]  # an unset flag is None or False
+    return ", ".join(f"{flag} {was} -> {now}" for flag, was, now in values if was != now)
+
+
+def _absent_refusal(checkpoint_dir: Any, keys: list[str], saved_args: Any) -> str:
+    changed = _changed_optimizer_flags(saved_args)
+    since = f" (changed since the save: {changed})" if changed else ""
+    weights_only = (" or add --no-load-optim to load its weights only and start a fresh "
+                    "optimizer" if all(key.startswith("optimizer.") for key in keys) else "")
+    return (f"[megatron_patches] refusing to load {checkpoint_dir}: it holds none of these "
+            f"tensors this run loads{since}, and megatron-core would fail on every rank at the "
+            f"load; fix: resume with the flags it was saved with{weights_only}.{_listing(keys)}")
+
+
+def _load_refusal(checkpoint_dir: Any, problems: list[tuple[str, str]], layouts: tuple,
+                  saved_args: Any = None) -> str:
     kinds = {kind for kind, _ in problems}
     lines = [text for _, text in problems]
     if kinds & {DAMAGE, MISMATCH}:
@@ -189,6 +236,9 @@ def _load_refusal(checkpoint_dir: Any, problems: list[tuple[str, str]], layouts:
                 f"model's tensors ({UPSTREAM}; an ETP>1 checkpoint written with 1/ETP expert "
                 f"shapes looks like this). Audit it with `python -m "
                 f"megatron_patches.checkpoint_audit {checkpoint_dir}`.{_listing(lines)}")
+    if ABSENT in kinds and LAYOUT not in kinds:
+        return _absent_refusal(checkpoint_dir, [text for kind, text in problems if kind == ABSENT],
+                               saved_args)
     saved, current = layouts
     return (f"[megatron_patches] refusing to load {checkpoint_dir}: it was saved with another "
             f"parallel layout ({_describe_layout(saved)}; this run {_describe_layout(current)}) "
@@ -201,25 +251,30 @@ def _refuse_if_any(checkpoint_dir: str, problems: list[tuple[str, str]]) -> None
     """Every rank stops, also those whose own tensors happen to be fine."""
     everyone = collectives.union([f"{kind}\t{text}" for kind, text in problems])
     if everyone:
-        layouts = (None, _current_layout())
+        layouts, saved_args = (None, _current_layout()), None
         try:
-            layouts = _checkpoint_for_load(checkpoint_dir)[2]
+            _, _, layouts, saved_args = _checkpoint_for_load(checkpoint_dir)
         except UnreadableCheckpoint:
             pass
         raise IncompleteCheckpointError(_load_refusal(
-            checkpoint_dir, [tuple(p.split("\t", 1)) for p in everyone], layouts))
+            checkpoint_dir, [tuple(p.split("\t", 1)) for p in everyone], layouts, saved_args))
 
 
-# torch_dist loads: the directory `dist_checkpointing.load` is loading from, while it runs.
+# torch_dist loads: (the directory `dist_checkpointing.load` is loading from, its strict
+# handling), while it runs.
 _TORCH_DIST_LOAD = contextvars.ContextVar("megatron_patches_torch_dist_load", default=None)
 
 
 def _guard_load(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        call = signature.bind(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        call.apply_defaults()
         # megatron's load then reuses the `.metadata` and common state the check read.
         with checkpoint_reads.reading_once():
-            token = _TORCH_DIST_LOAD.set(checkpoint_dir)
+            token = _TORCH_DIST_LOAD.set((checkpoint_dir, call.arguments.get("strict")))
             try:
                 return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
             finally:
@@ -235,9 +290,10 @@ def _guard_load_preprocess(original: Callable) -> Callable:
     @functools.wraps(original)
     def load_preprocess(sharded_state_dict, *args, **kwargs):
         result = original(sharded_state_dict, *args, **kwargs)
-        checkpoint_dir = _TORCH_DIST_LOAD.get()
-        if checkpoint_dir is not None:
-            _refuse_if_any(checkpoint_dir, load_problems(result[0], checkpoint_dir))
+        loading = _TORCH_DIST_LOAD.get()
+        if loading is not None:
+            checkpoint_dir, strict = loading
+            _refuse_if_any(checkpoint_dir, load_problems(result[0], checkpoint_dir, strict))
         return result
 
     setattr(load_preprocess, _MARK, True)

@@ -8,8 +8,13 @@ The checkpoints are real saves, the distributed optimizer's on 2 ranks (its stat
 objects, not tensors). Each resume is judged in this process with megatron's own arguments for
 the command line (tests/_judge.py), accepted ones too; each refused one is launched, with the
 patch (one line, every rank exits non-zero, nothing written to --save) and without it
-(MEGATRON_PATCHES_DISABLE): megatron's own load then fails on every rank once the model is built,
-so the refusal is not a false one.
+(MEGATRON_PATCHES_DISABLE, with checkpoint-load-guard): megatron's own load then fails on every
+rank once the model is built, so the refusal is not a false one.
+
+Optimizer tensors the checkpoint lacks for another reason (another --optimizer; bf16 main weights
+and fp32 ones) are refused by checkpoint-load-guard on the state dict megatron is about to load,
+naming the tensors and the flags changed since the save; those resumes are launched, with the
+guard and without it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from moe_launcher.checkpoint_files import optimizer_state
 pytestmark = pytest.mark.slow
 
 PATCH = "checkpoint-load-integrity"
+GUARD = "checkpoint-load-guard"
 BASE = [*TINY_MODEL, "--train-iters", "2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 FULLY_RESHARDABLE = [*DISTRIBUTED, "--dist-ckpt-optim-fully-reshardable"]
@@ -107,8 +113,11 @@ def test_a_resume_megatron_loads_is_judged_fine(case, saved, tmp_path, monkeypat
 def test_the_launched_resume(case, patched, saved, tmp_path):
     checkpoint, flags, named = REFUSED[case]
     world = SAVES[checkpoint][0]
+    # Without the check: also without checkpoint-load-guard, which refuses the distributed
+    # optimizer's torch_dist state as tensors the plain one's checkpoint lacks.
     run = launch(world, resume(saved[checkpoint], flags, tmp_path / "save"),
-                 env={} if patched else {"MEGATRON_PATCHES_DISABLE": PATCH}, timeout=300)
+                 env={} if patched else {"MEGATRON_PATCHES_DISABLE": f"{PATCH},{GUARD}"},
+                 timeout=300)
     assert run.returncode != 0, run.log[-3000:]
     if patched:
         lines = [line for line in run.log.splitlines() if "pretrain_moe: error: " in line]
@@ -119,3 +128,31 @@ def test_the_launched_resume(case, patched, saved, tmp_path):
     # megatron's own load, after the model and optimizer are built: a traceback on every rank
     assert "in load_checkpoint" in run.log, run.log[-3000:]
     assert run.log.count("Traceback") >= world, run.log[-3000:]
+
+
+# name: (checkpoint, the resume's flags, whether it drops --bf16, what the refusal names), refused
+# by checkpoint-load-guard: optimizer tensors the checkpoint lacks
+ABSENT = {
+    "another-optimizer": ("plain", ["--optimizer", "sgd"], False, "--optimizer adam -> sgd"),
+    "fp32-into-bf16-main-weights": ("distributed", DISTRIBUTED, True, "--bf16 True -> False"),
+}
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["refused", "megatron-fails-without"])
+@pytest.mark.parametrize("case", ABSENT)
+def test_a_resume_whose_optimizer_tensors_the_checkpoint_lacks(case, patched, saved, tmp_path):
+    checkpoint, flags, fp32, named = ABSENT[case]
+    world = SAVES[checkpoint][0]
+    argv = [flag for flag in resume(saved[checkpoint], flags, tmp_path / "save")
+            if not (fp32 and flag == "--bf16")]
+    run = launch(world, argv, env={} if patched else {"MEGATRON_PATCHES_DISABLE": GUARD},
+                 timeout=300)
+    assert run.returncode != 0, run.log[-3000:]
+    if patched:
+        lines = [line for line in run.log.splitlines() if "pretrain_moe: error: " in line]
+        assert len(lines) == 1 and named in lines[0] and "--no-load-optim" in lines[0], lines
+        assert "optimizer.state." in lines[0] or "optimizer.distributed." in lines[0], lines[0]
+        assert "Traceback" not in run.log, run.log[-3000:]
+        return
+    # megatron-core 0.19.2's torch_dist load: torch's planner misses the tensor on every rank
+    assert run.log.count("from model not in state dict") >= world, run.log[-3000:]
