@@ -12,7 +12,11 @@ no --finetune, not a release checkpoint) from
   "optimizer.state.exp_avg... from model not in state dict"`, the saved state is keyed by buffer
   bucket, or by `fp32_param` where fully reshardable; torch: `KeyError: 'state'`), or of the
   plain optimizer into the distributed one (torch_dist: "ShardedTensor.flattened_range is not
-  supported", whichever sharding type; torch: `KeyError: 'step'`).
+  supported", whichever sharding type; torch: `KeyError: 'step'`);
+* a torch_dist checkpoint of a bf16/fp16 run resumed in fp32 or the other way round (the plain
+  optimizer: "ValueError: Could not find parameter group", or `fp32_param` tensors it lacks; the
+  distributed one: buckets keyed by dtype). Between bf16 and fp16 the plain optimizer and a fully
+  reshardable distributed one load; a dp_reshardable one's buckets are refused by the load guard.
 Switching between the distributed optimizer's sharding types (dp_reshardable, fully_reshardable)
 loads, and is not judged. Nor are Megatron-FSDP (its own optimizer on both sides), the
 layer-wise distributed optimizer, or a torch_dist checkpoint without content metadata
@@ -21,6 +25,7 @@ layer-wise distributed optimizer, or a torch_dist checkpoint without content met
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -40,18 +45,25 @@ def _optimizer_name(distributed: bool) -> str:
             else "the plain optimizer (no --use-distributed-optimizer)")
 
 
-def _saved_optimizer(iteration_dir: str) -> tuple[Any, bool | None] | None:
-    """(saved args, whether the distributed optimizer saved its state: None where the checkpoint
-    does not say) of a torch_dist, fsdp_dtensor or torch-format checkpoint; None where it cannot
-    be read (the file checks and the load guard judge that) or is none of them."""
+@dataclasses.dataclass(frozen=True)
+class _SavedOptimizer:
+    args: Any  # the saved megatron arguments (None where none were saved)
+    format: str  # "torch_dist", "fsdp_dtensor" or "torch"
+    distributed: bool | None  # whether the distributed optimizer saved it; None: not said
+
+
+def _saved_optimizer(iteration_dir: str) -> _SavedOptimizer | None:
+    """What a torch_dist, fsdp_dtensor or torch-format checkpoint says of its optimizer state;
+    None where it cannot be read (the file checks and the load guard judge that) or is none of
+    them."""
     if torch_format.is_torch_format(iteration_dir):
         files = torch_format.model_files(iteration_dir)
         if not files:
             return None
         # megatron's torch format keeps the distributed optimizer's state in a file of its own
         # beside each model file (get_distributed_optimizer_checkpoint_name).
-        return (torch_format.saved_args(files[0]),
-                os.path.isfile(os.path.join(os.path.dirname(files[0]), DISTRIBUTED_STATE_FILE)))
+        return _SavedOptimizer(torch_format.saved_args(files[0]), "torch", os.path.isfile(
+            os.path.join(os.path.dirname(files[0]), DISTRIBUTED_STATE_FILE)))
     if not os.path.isfile(os.path.join(iteration_dir, ".metadata")):
         return None
     try:
@@ -59,8 +71,23 @@ def _saved_optimizer(iteration_dir: str) -> tuple[Any, bool | None] | None:
     except UnreadableCheckpoint:
         return None
     if saved.format != "torch_dist" or saved.content is None:
-        return saved.args, None  # fsdp_dtensor: Megatron-FSDP's own optimizer on both sides
-    return saved.args, saved.content.get(_SHARDING_TYPE) is not None
+        # fsdp_dtensor: Megatron-FSDP's own optimizer on both sides
+        return _SavedOptimizer(saved.args, saved.format, None)
+    return _SavedOptimizer(saved.args, saved.format,
+                           saved.content.get(_SHARDING_TYPE) is not None)
+
+
+def _weights_only(saved_as: str) -> str:
+    return (f"fix: resume {saved_as} as saved, or add --no-load-optim to load its weights only "
+            f"and start a fresh optimizer")
+
+
+_FP32 = "fp32 (neither --bf16 nor --fp16)"
+
+
+def _precision(args: Any) -> str:
+    return next((flag for flag in ("--bf16", "--fp16") if getattr(args, flag[2:], False)),
+                _FP32)
 
 
 def load_problems(load_dir: str, ckpt_step: int | None, margs: Any) -> list[str]:
@@ -78,21 +105,29 @@ def load_problems(load_dir: str, ckpt_step: int | None, margs: Any) -> list[str]
     saved = _saved_optimizer(iteration_dir) if os.path.isdir(iteration_dir) else None
     if saved is None:
         return []
-    saved_args, saved_distributed = saved
-    if getattr(saved_args, "no_save_optim", False):
-        return [f"refusing to resume from {iteration_dir}: it was saved with --no-save-optim, so "
-                f"it holds no optimizer state, and this run would load one (megatron-core 0.19.2 "
-                f"fails on every rank once the model is built); fix: add --no-load-optim to load "
-                f"its weights only and start a fresh optimizer (--finetune also restarts the "
-                f"iteration count and the learning-rate schedule)"]
-    distributed = bool(getattr(margs, "use_distributed_optimizer", False))
-    if saved_distributed in (None, distributed) or any(
-            getattr(side, name, False) for side in (saved_args, margs)
-            for name in ("use_megatron_fsdp", "use_layer_wise_distributed_optimizer")):
+    refusing = f"refusing to resume from {iteration_dir}: "
+    if getattr(saved.args, "no_save_optim", False):
+        return [f"{refusing}it was saved with --no-save-optim, so it holds no optimizer state, "
+                f"and this run would load one (megatron-core 0.19.2 fails on every rank once the "
+                f"model is built); fix: add --no-load-optim to load its weights only and start a "
+                f"fresh optimizer (--finetune also restarts the iteration count and the "
+                f"learning-rate schedule)"]
+    if any(getattr(side, name, False) for side in (saved.args, margs)
+           for name in ("use_megatron_fsdp", "use_layer_wise_distributed_optimizer")):
         return []
-    return [f"refusing to resume from {iteration_dir}: its optimizer state was saved by "
-            f"{_optimizer_name(saved_distributed)} and this run uses "
-            f"{_optimizer_name(distributed)}; megatron-core 0.19.2 cannot load one's state into "
-            f"the other (it fails on every rank once the model is built); fix: resume "
-            f"{'with' if saved_distributed else 'without'} --use-distributed-optimizer as "
-            f"saved, or add --no-load-optim to load its weights only and start a fresh optimizer"]
+    distributed = bool(getattr(margs, "use_distributed_optimizer", False))
+    if saved.distributed not in (None, distributed):
+        return [f"{refusing}its optimizer state was saved by "
+                f"{_optimizer_name(saved.distributed)} and this run uses "
+                f"{_optimizer_name(distributed)}; megatron-core 0.19.2 cannot load one's state "
+                f"into the other (it fails on every rank once the model is built); "
+                + _weights_only(f"{'with' if saved.distributed else 'without'} "
+                                f"--use-distributed-optimizer")]
+    was, now = _precision(saved.args), _precision(margs)
+    if saved.format == "torch_dist" and saved.args is not None and was != now and \
+            _FP32 in (was, now):
+        return [f"{refusing}its optimizer state was saved by a run in {was} and this one "
+                f"trains in {now}: megatron-core 0.19.2's optimizers keep other state for each (fp32 main "
+                f"weights beside the bf16/fp16 ones) and the load fails on every rank once the "
+                f"model is built; " + _weights_only(f"in {was}")]
+    return []

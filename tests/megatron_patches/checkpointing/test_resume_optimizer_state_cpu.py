@@ -1,8 +1,8 @@
 """A resume that would load optimizer state megatron-core 0.19.2 cannot load is refused by
 checkpoint-load-integrity (moe_launcher/checkpoint_files/optimizer_state.py): a checkpoint saved
-with --no-save-optim (torch_dist, Megatron-FSDP's fsdp_dtensor, the torch format), and a
-checkpoint of the distributed optimizer resumed by the plain one and the other way round
-(torch_dist and the torch format).
+with --no-save-optim (torch_dist, Megatron-FSDP's fsdp_dtensor, the torch format), a checkpoint
+of the distributed optimizer resumed by the plain one and the other way round (torch_dist and the
+torch format), and a torch_dist checkpoint of a bf16 run resumed in fp32 (or the other way round).
 
 The checkpoints are real saves, the distributed optimizer's on 2 ranks (its state is then byte
 objects, not tensors). Each resume is judged in this process with megatron's own arguments for
@@ -11,8 +11,8 @@ patch (one line, every rank exits non-zero, nothing written to --save) and witho
 (MEGATRON_PATCHES_DISABLE, with checkpoint-load-guard): megatron's own load then fails on every
 rank once the model is built, so the refusal is not a false one.
 
-Optimizer tensors the checkpoint lacks for another reason (another --optimizer; bf16 main weights
-and fp32 ones) are refused by checkpoint-load-guard on the state dict megatron is about to load,
+Optimizer tensors the checkpoint lacks for another reason (another --optimizer; the distributed
+optimizer's buckets, keyed by dtype, from bf16 into fp16) are refused by checkpoint-load-guard on the state dict megatron is about to load,
 naming the tensors and the flags changed since the save; those resumes are launched, with the
 guard and without it.
 """
@@ -33,6 +33,7 @@ BASE = [*TINY_MODEL, "--train-iters", "2"]
 DISTRIBUTED = ["--use-distributed-optimizer"]
 FULLY_RESHARDABLE = [*DISTRIBUTED, "--dist-ckpt-optim-fully-reshardable"]
 TORCH_FORMAT = ["--ckpt-format", "torch"]
+FP32 = "<fp32: without --bf16>"  # a resume's flag: TINY_MODEL trains in bf16
 MEGATRON_FSDP = ["--use-megatron-fsdp", *DISTRIBUTED, "--ckpt-format", "fsdp_dtensor",
                  "--data-parallel-sharding-strategy", "optim_grads_params"]
 # name: (world, flags)
@@ -71,6 +72,9 @@ REFUSED = {
                                      "resume with --use-distributed-optimizer"),
     "torch-plain-into-distributed": ("torch-plain", [*TORCH_FORMAT, *DISTRIBUTED],
                                      "resume without --use-distributed-optimizer"),
+    "bf16-into-fp32": ("plain", [FP32], "resume in --bf16 as saved"),
+    "distributed-bf16-into-fp32": ("distributed", [*DISTRIBUTED, FP32],
+                                   "resume in --bf16 as saved"),
 }
 ACCEPTED = {
     "distributed-as-saved": ("distributed", DISTRIBUTED),
@@ -81,11 +85,17 @@ ACCEPTED = {
     "distributed-into-plain-weights-only": ("distributed", ["--no-load-optim"]),
     "torch-distributed-as-saved": ("torch-distributed", [*TORCH_FORMAT, *DISTRIBUTED]),
     "torch-plain-as-saved": ("torch-plain", TORCH_FORMAT),
+    "bf16-into-fp16": ("plain", [FP32, "--fp16"]),
+    "distributed-fully-reshardable-bf16-into-fp16": ("distributed",
+                                                     [*FULLY_RESHARDABLE, FP32, "--fp16"]),
 }
 
 
 def resume(folder, flags: list[str], save) -> list[str]:
-    return [*BASE, "--load", str(folder), "--save", str(save), "--save-interval", "1", *flags]
+    """The resume's command line; FP32 among `flags` drops TINY_MODEL's --bf16."""
+    argv = [*BASE, "--load", str(folder), "--save", str(save), "--save-interval", "1",
+            *(flag for flag in flags if flag != FP32)]
+    return [flag for flag in argv if flag != "--bf16"] if FP32 in flags else argv
 
 
 def judged(world: int, folder, flags: list[str], tmp_path, monkeypatch) -> list[str]:
@@ -130,22 +140,22 @@ def test_the_launched_resume(case, patched, saved, tmp_path):
     assert run.log.count("Traceback") >= world, run.log[-3000:]
 
 
-# name: (checkpoint, the resume's flags, whether it drops --bf16, what the refusal names), refused
-# by checkpoint-load-guard: optimizer tensors the checkpoint lacks
+# name: (checkpoint, the resume's flags, what the refusal names), refused by
+# checkpoint-load-guard: optimizer tensors the checkpoint lacks
 ABSENT = {
-    "another-optimizer": ("plain", ["--optimizer", "sgd"], False, "--optimizer adam -> sgd"),
-    "fp32-into-bf16-main-weights": ("distributed", DISTRIBUTED, True, "--bf16 True -> False"),
+    "another-optimizer": ("plain", ["--optimizer", "sgd"], "--optimizer adam -> sgd"),
+    # dp_reshardable buckets are keyed by dtype
+    "distributed-bf16-into-fp16": ("distributed", [*DISTRIBUTED, FP32, "--fp16"],
+                                   "--bf16 True -> False, --fp16 False -> True"),
 }
 
 
 @pytest.mark.parametrize("patched", [True, False], ids=["refused", "megatron-fails-without"])
 @pytest.mark.parametrize("case", ABSENT)
 def test_a_resume_whose_optimizer_tensors_the_checkpoint_lacks(case, patched, saved, tmp_path):
-    checkpoint, flags, fp32, named = ABSENT[case]
+    checkpoint, flags, named = ABSENT[case]
     world = SAVES[checkpoint][0]
-    argv = [flag for flag in resume(saved[checkpoint], flags, tmp_path / "save")
-            if not (fp32 and flag == "--bf16")]
-    run = launch(world, argv, env={} if patched else {"MEGATRON_PATCHES_DISABLE": GUARD},
+    run = launch(world, resume(saved[checkpoint], flags, tmp_path / "save"), env={} if patched else {"MEGATRON_PATCHES_DISABLE": GUARD},
                  timeout=300)
     assert run.returncode != 0, run.log[-3000:]
     if patched:
