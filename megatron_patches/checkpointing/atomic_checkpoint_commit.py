@@ -60,7 +60,6 @@ from moe_launcher.runtime.refusals import (
 )
 
 PATCH_NAME = "atomic-checkpoint-commit"
-COMMIT_MARK = "_megatron_patches_checkpoint_commit"
 # Where a save that fails for a reason other than room leaves its traceback, one file per rank.
 SAVE_FAILURES = "_save_failures"
 
@@ -361,7 +360,7 @@ def _wrap_save(original: Callable, claims: WriterClaims) -> Callable:
                 f"{fix}", every_rank=every_rank) from exc
         return result
 
-    setattr(save_checkpoint, COMMIT_MARK, True)
+    save_checkpoint.__wrapped_by__ = PATCH_NAME
     save_checkpoint.writer_claims = claims  # the load wrapper claims --save with the same record
     return save_checkpoint
 
@@ -389,19 +388,20 @@ def _wrap_optimizer_builder(get_megatron_optimizer: Callable) -> Callable:
 def _apply(claims: WriterClaims) -> None:
     from megatron.training import training
 
-    install("save_checkpoint", functools.partial(_wrap_save, claims=claims), COMMIT_MARK)
+    install("save_checkpoint", functools.partial(_wrap_save, claims=claims), PATCH_NAME)
     if not wrapped_by(training.get_megatron_optimizer, PATCH_NAME):
         training.get_megatron_optimizer = _wrap_optimizer_builder(training.get_megatron_optimizer)
 
 
-def install(name: str, wrapper: Callable[[Callable], Callable], mark: str) -> None:
+def install(name: str, wrapper: Callable[[Callable], Callable], patch: str) -> None:
     """Wraps megatron.training's `name` where save/load call it (checkpointing) and where
-    training imported it, once (`mark` tells a wrapped one)."""
+    training imported it, once: `wrapper` marks what it returns as patch `patch`'s
+    (`__wrapped_by__`)."""
     from megatron.training import checkpointing, training
 
     for module in (checkpointing, training):
         current = getattr(module, name, None)
-        if current is not None and not hasattr(current, mark):
+        if current is not None and not wrapped_by(current, patch):
             setattr(module, name, wrapper(current))
 
 
@@ -432,7 +432,7 @@ def writer_claims_of(save_checkpoint) -> WriterClaims | None:
     """The claims record of atomic-checkpoint-commit's save wrapper, under any other patch's
     wrapper of megatron's save_checkpoint; None where the commit patch is not applied."""
     while save_checkpoint is not None:
-        if hasattr(save_checkpoint, COMMIT_MARK):
+        if getattr(save_checkpoint, "__wrapped_by__", None) == PATCH_NAME:
             return save_checkpoint.writer_claims
         save_checkpoint = getattr(save_checkpoint, "__wrapped__", None)
     return None

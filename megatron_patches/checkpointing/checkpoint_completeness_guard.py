@@ -68,7 +68,7 @@ from moe_launcher.model.param_shapes import (
 
 UPSTREAM = "NVIDIA/Megatron-LM#1836"
 VERSIONS = ">=0.15,<0.20"
-_MARK = "_megatron_patches_checkpoint_guard"
+NAME = "checkpoint-completeness-guard"
 _LISTED = 8  # problems shown per refusal
 
 
@@ -233,7 +233,7 @@ def _guard_generate_state_dict(original: Callable, record: GuardRecord) -> Calla
             _judge_model_once(record, state_dict, model)
         return state_dict
 
-    setattr(generate_state_dict, _MARK, True)
+    generate_state_dict.__wrapped_by__ = NAME
     return generate_state_dict
 
 
@@ -348,7 +348,7 @@ def _guard_validate(original: Callable, record: GuardRecord) -> Callable:
             record.passed("tiling", fingerprint)
         return original(global_metadata, common_state_dict)
 
-    setattr(validate_sharding_integrity, _MARK, True)
+    validate_sharding_integrity.__wrapped_by__ = NAME
     return validate_sharding_integrity
 
 
@@ -367,7 +367,7 @@ def _guard_save_preprocess(original: Callable, record: GuardRecord) -> Callable:
                 record.passed("tiling", fingerprint)
         return sharded_part, common_state_dict
 
-    setattr(save_preprocess, _MARK, True)
+    save_preprocess.__wrapped_by__ = NAME
     return save_preprocess
 
 
@@ -411,12 +411,13 @@ def _judge_before_training(get_megatron_optimizer: Callable, record: GuardRecord
                       f"judges it", flush=True)
         return get_megatron_optimizer(*args, **kwargs)
 
-    get_megatron_optimizer_judged.__wrapped_by__ = SAVE_GUARD.name
+    get_megatron_optimizer_judged.__wrapped_by__ = NAME
     return get_megatron_optimizer_judged
 
 
-def _wrap(module: Any, name: str, guard: Callable[[Callable], Callable]) -> None:
-    if not hasattr(getattr(module, name), _MARK):
+def _wrap(module: Any, name: str, guard: Callable[[Callable], Callable], patch: str) -> None:
+    """module.name wrapped by `guard`, once: `guard` marks what it returns as patch `patch`'s."""
+    if not registry.wrapped_by(getattr(module, name), patch):
         setattr(module, name, guard(getattr(module, name)))
 
 
@@ -426,15 +427,15 @@ def apply_save_guard() -> None:
     # parallel strategy imported its own reference.
     for module in (state_dict_utils, fully_parallel):
         _wrap(module, "validate_sharding_integrity",
-              functools.partial(_guard_validate, record=record))
+              functools.partial(_guard_validate, record=record), NAME)
     _wrap(serialization, "save_preprocess",
-          functools.partial(_guard_save_preprocess, record=record))
+          functools.partial(_guard_save_preprocess, record=record), NAME)
     if (checkpointing := _megatron_training_checkpointing()) is not None:
         _wrap(checkpointing, "generate_state_dict",
-              functools.partial(_guard_generate_state_dict, record=record))
+              functools.partial(_guard_generate_state_dict, record=record), NAME)
         from megatron.training import training
 
-        if not registry.wrapped_by(training.get_megatron_optimizer, SAVE_GUARD.name):
+        if not registry.wrapped_by(training.get_megatron_optimizer, NAME):
             training.get_megatron_optimizer = _judge_before_training(
                 training.get_megatron_optimizer, record)
 
@@ -446,7 +447,7 @@ def _save_guard_not_needed(context: registry.PatchContext) -> str | None:
 
 
 SAVE_GUARD = registry.register(registry.Patch(
-    name="checkpoint-completeness-guard",
+    name=NAME,
     upstream=UPSTREAM,
     versions=VERSIONS,
     summary="every rank checks each tensor's global shape against its parameter and that main "

@@ -42,9 +42,8 @@ from moe_launcher.checkpoint_files.metadata import (
 from moe_launcher.checkpoint_files.shape_rules import ModelDims, expected_shape, shape_matches
 from moe_launcher.model.param_shapes import sharded_tensors
 
-# The save guard's mark and wrapper serve both guards (they wrap different functions).
+# The save guard's wrap serves both guards (they wrap different functions).
 from megatron_patches.checkpointing.checkpoint_completeness_guard import (
-    _MARK,
     UPSTREAM,
     VERSIONS,
     IncompleteCheckpointError,
@@ -54,6 +53,7 @@ from megatron_patches.checkpointing.checkpoint_completeness_guard import (
 )
 
 
+NAME = "checkpoint-load-guard"
 # Problem kinds, most serious first: the refusal is worded after the first kind present.
 DAMAGE, MISMATCH, LAYOUT, ABSENT = "damage", "mismatch", "layout", "absent"
 # megatron's strict handlings (--dist-ckpt-strictness) under which a tensor the run loads and the
@@ -280,7 +280,7 @@ def _guard_load(original: Callable) -> Callable:
             finally:
                 _TORCH_DIST_LOAD.reset(token)
 
-    setattr(load, _MARK, True)
+    load.__wrapped_by__ = NAME
     return load
 
 
@@ -296,7 +296,7 @@ def _guard_load_preprocess(original: Callable) -> Callable:
             _refuse_if_any(checkpoint_dir, load_problems(result[0], checkpoint_dir, strict))
         return result
 
-    setattr(load_preprocess, _MARK, True)
+    load_preprocess.__wrapped_by__ = NAME
     return load_preprocess
 
 
@@ -327,7 +327,7 @@ def _guard_load_base_checkpoint(original: Callable) -> Callable:
         finally:
             _FSDP_LOAD.reset(token)
 
-    setattr(_load_base_checkpoint, _MARK, True)
+    _load_base_checkpoint.__wrapped_by__ = NAME
     return _load_base_checkpoint
 
 
@@ -341,7 +341,7 @@ def _guard_preprocess_fsdp_dtensor(original: Callable) -> Callable:
             _refuse_if_any(checkpoint_dir, fsdp_dtensor_load_problems(state_dict, checkpoint_dir))
         return state_dict
 
-    setattr(preprocess_fsdp_dtensor_state_dict, _MARK, True)
+    preprocess_fsdp_dtensor_state_dict.__wrapped_by__ = NAME
     return preprocess_fsdp_dtensor_state_dict
 
 
@@ -349,16 +349,17 @@ def apply_load_guard() -> None:
     checkpoint_reads.install()  # the guard's reads are the ones megatron's load then reuses
     # megatron.training.checkpointing calls `dist_checkpointing.load`, looked up at call time.
     for module in (serialization, dist_checkpointing):
-        _wrap(module, "load", _guard_load)
-    _wrap(serialization, "load_preprocess", _guard_load_preprocess)
+        _wrap(module, "load", _guard_load, NAME)
+    _wrap(serialization, "load_preprocess", _guard_load_preprocess, NAME)
     checkpointing = _megatron_training_checkpointing()
     if checkpointing is not None and hasattr(checkpointing, "preprocess_fsdp_dtensor_state_dict"):
-        _wrap(checkpointing, "_load_base_checkpoint", _guard_load_base_checkpoint)
-        _wrap(checkpointing, "preprocess_fsdp_dtensor_state_dict", _guard_preprocess_fsdp_dtensor)
+        _wrap(checkpointing, "_load_base_checkpoint", _guard_load_base_checkpoint, NAME)
+        _wrap(checkpointing, "preprocess_fsdp_dtensor_state_dict", _guard_preprocess_fsdp_dtensor,
+              NAME)
 
 
 LOAD_GUARD = registry.register(registry.Patch(
-    name="checkpoint-load-guard",
+    name=NAME,
     upstream=UPSTREAM,
     versions=VERSIONS,
     summary="all ranks refuse to load a checkpoint whose tensors do not match the model",

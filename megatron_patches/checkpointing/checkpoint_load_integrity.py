@@ -29,7 +29,7 @@ from moe_launcher.checkpoint_files import reads as checkpoint_reads
 from moe_launcher.runtime import collectives
 from moe_launcher.runtime.refusals import CheckpointLoadError
 
-_MARK = "_megatron_patches_checkpoint_load_integrity"
+NAME = "checkpoint-load-integrity"
 
 
 def _wrap_load(original: Callable) -> Callable:
@@ -63,7 +63,7 @@ def _wrap_load(original: Callable) -> Callable:
             with _schedule_mismatch_refused(call.arguments.get("opt_param_scheduler"), load_dir):
                 return original(*args, **kwargs)
 
-    setattr(load_checkpoint, _MARK, True)
+    load_checkpoint.__wrapped_by__ = NAME
     return load_checkpoint
 
 
@@ -129,11 +129,11 @@ def _load_check_not_needed(context: PatchContext) -> str | None:
 
 def _apply_load_check() -> None:
     checkpoint_reads.install()  # its `.metadata` read is the one megatron's load then reuses
-    install("load_checkpoint", _wrap_load, _MARK)
+    install("load_checkpoint", _wrap_load, NAME)
 
 
 register(Patch(
-    name="checkpoint-load-integrity",
+    name=NAME,
     upstream="local (megatron reads damaged files rank by rank; no pre-load check)",
     versions=">=0.15,<0.20",
     summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "

@@ -31,7 +31,6 @@ import re
 from megatron_patches.registry import Patch, PatchContext, register
 
 NAME = "fsdp-dtensor-release-load"
-_MARK = "_megatron_patches_fsdp_dtensor_release_load"
 # The branch that builds the state dict an fsdp_dtensor load reads (up to where it is handed on).
 _FSDP_BRANCH = re.compile(r"elif args\.ckpt_format == 'fsdp_dtensor':(.*?)"
                           r"load_kwargs\['sharded_state_dict'\] = state_dict", re.S)
@@ -88,14 +87,14 @@ def _wrap(load_checkpoint):
         with _weights_only(margs):
             return load_checkpoint(*args, **kwargs)
 
-    setattr(load_checkpoint_of_a_release, _MARK, True)
+    load_checkpoint_of_a_release.__wrapped_by__ = NAME
     return load_checkpoint_of_a_release
 
 
 def _apply() -> None:
     from megatron_patches.checkpointing.atomic_checkpoint_commit import install
 
-    install("load_checkpoint", _wrap, _MARK)
+    install("load_checkpoint", _wrap, NAME)
 
 
 register(Patch(
