@@ -2,7 +2,8 @@
 
 megatron accepts these flags on any install and fails only once it uses the feature: after
 process groups and the model are built, or at the first step (DeepEP's dispatcher, TE's
-permute and router fusions and grouped GEMM, FP8, userbuffers, the HuggingFace tokenizer's NameError). Each
+permute and router fusions and grouped GEMM, FP8, userbuffers, the HuggingFace tokenizer's
+NameError, NVRx's persistent async-save worker as megatron initialises). Each
 row of `REQUIREMENTS` names a feature, how to tell the command line asks for it, and the
 package it needs; a command line that asks for a feature whose package is not importable is
 refused before any work, with the install or the flag to drop. Where the package is present
@@ -31,6 +32,13 @@ DEEP_EP = Package("deep_ep", "install DeepEP (github.com/deepseek-ai/DeepEP)")
 TRANSFORMERS = Package("transformers", "pip install transformers")
 SENTENCEPIECE = Package("sentencepiece", "pip install sentencepiece")
 TIKTOKEN = Package("tiktoken", "pip install tiktoken")
+NVIDIA_RESILIENCY = Package("nvidia_resiliency_ext", "pip install nvidia-resiliency-ext")
+
+
+def _persistent_checkpoint_worker(args) -> bool:
+    """megatron starts its persistent async-save worker only with both flags (it turns
+    --async-save off, with a warning, without --use-persistent-ckpt-worker)."""
+    return bool(args.async_save and getattr(args, "use_persistent_ckpt_worker", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,12 @@ REQUIREMENTS = (
                 SENTENCEPIECE, "another --tokenizer-type"),
     Requirement("--tokenizer-type TikTokenizer", lambda a: a.tokenizer_type == "TikTokenizer",
                 TIKTOKEN, "another --tokenizer-type"),
+    # megatron-core 0.19.2 starts the worker in initialize_megatron, on every rank:
+    # ModuleNotFoundError from get_async_strategy where NVRx is missing (the default strategy).
+    Requirement("--use-persistent-ckpt-worker (--async-save, --async-strategy nvrx)",
+                lambda a: _persistent_checkpoint_worker(a)
+                and getattr(a, "async_strategy", None) == "nvrx",
+                NVIDIA_RESILIENCY, "add --async-strategy mcore"),
 )
 
 

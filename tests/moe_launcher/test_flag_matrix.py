@@ -237,7 +237,8 @@ def test_optional_package_table_passes_present_packages():
         moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
         moe_permute_fusion=True, moe_router_fusion=True, moe_grouped_gemm=True, fp8="hybrid",
         fp4=None, tp_comm_overlap=True, moe_latent_size=32, use_precision_aware_optimizer=True,
-        tokenizer_type="HuggingFaceTokenizer", transformer_impl="transformer_engine")
+        tokenizer_type="HuggingFaceTokenizer", transformer_impl="transformer_engine",
+        async_save=True, use_persistent_ckpt_worker=True, async_strategy="nvrx")
     assert dependencies.first_missing(asks_everything, available=lambda package: True) is None
     assert dependencies.first_missing(asks_everything).package == dependencies.DEEP_EP
 

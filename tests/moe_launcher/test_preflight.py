@@ -121,6 +121,13 @@ CASES = {
     "router-fusion-without-transformer-engine": (1, ["--moe-router-fusion"], "--moe-router-fusion"),
     # megatron fails on every rank once the model is built, or at the first step
     # (test_without_the_check_megatron_fails_on_these_fsdp_and_optimizer_choices below).
+    "persistent-checkpoint-worker-needs-nvrx": (1, ["--async-save",
+                                                    "--use-persistent-ckpt-worker"],
+                                                "--use-persistent-ckpt-worker"),
+    "persistent-checkpoint-worker-without-cuda": (1, ["--async-save",
+                                                      "--use-persistent-ckpt-worker",
+                                                      "--async-strategy", "mcore"],
+                                                  "--use-persistent-ckpt-worker"),
     "sgd-with-the-distributed-optimizer": (1, ["--optimizer", "sgd",
                                                "--use-distributed-optimizer"], "--optimizer"),
     "megatron-fsdp-bf16-main-weights-clipped": (1, [*MEGATRON_FSDP,
@@ -446,6 +453,10 @@ def test_megatron_fsdp_low_precision_main_weights_pass_without_clipping(monkeypa
 
 # case -> (the check left out, what megatron-core 0.19.2 raises)
 MEGATRON_FAILS = {
+    # (on this machine without CUDA the worker's own check would refuse next)
+    "persistent-checkpoint-worker-needs-nvrx": (
+        "optional-packages,persistent-checkpoint-worker-without-cuda",
+        "A compatible `nvidia-resiliency-ext` installation is required"),
     "sgd-with-the-distributed-optimizer": ("distributed-optimizer-state-function",
                                            "Only Adam, HybridDeviceOptimizer, and optimizers "
                                            "with an init_state_fn"),
@@ -460,7 +471,7 @@ MEGATRON_FAILS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", MEGATRON_FAILS)
-def test_without_the_check_megatron_fails_on_these_fsdp_and_optimizer_choices(case, tmp_path):
+def test_without_the_check_megatron_fails_on_these_choices(case, tmp_path):
     check, error = MEGATRON_FAILS[case]
     _, argv, _ = case_command_line(case, tmp_path / "ckpt")
     run = launch(1, argv, env={"PREFLIGHT_LEFT_OUT": check},
