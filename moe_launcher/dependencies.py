@@ -87,6 +87,14 @@ REQUIREMENTS = (
                 SENTENCEPIECE, "another --tokenizer-type"),
     Requirement("--tokenizer-type TikTokenizer", lambda a: a.tokenizer_type == "TikTokenizer",
                 TIKTOKEN, "another --tokenizer-type"),
+    # megatron-core 0.19.2's activation and dgrad dumps hook module types it lists with
+    # Transformer Engine's classes, None without TE: a TypeError at the first iteration.
+    Requirement("--save-activations-interval",
+                lambda a: getattr(a, "save_activations_interval", None) is not None,
+                TRANSFORMER_ENGINE, "drop --save-activations-interval"),
+    Requirement("--save-dgrads-interval",
+                lambda a: getattr(a, "save_dgrads_interval", None) is not None,
+                TRANSFORMER_ENGINE, "drop --save-dgrads-interval"),
     # megatron-core 0.19.2 starts the worker in initialize_megatron, on every rank:
     # ModuleNotFoundError from get_async_strategy where NVRx is missing (the default strategy).
     Requirement("--use-persistent-ckpt-worker (--async-save, --async-strategy nvrx)",

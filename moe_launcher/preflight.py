@@ -579,6 +579,25 @@ def check_fp32_residual_local_norm(args) -> None:
                              "--fp32-residual-connection, or run with Transformer Engine")
 
 
+@preflight_check("tokens-per-expert-dump-experts")
+def check_tokens_per_expert_dump_experts(args) -> None:
+    # megatron-core 0.19.2 counts the tokens per expert it dumps at Transformer Engine's grouped
+    # expert linears only (hooks on TEGroupedLinear's linear_fc1); other experts (the local spec,
+    # TE without --moe-grouped-gemm) train as asked and the dump is never written, silently.
+    if getattr(args, "save_tokens_per_expert_interval", None) is None:
+        return
+    if not (args.transformer_impl == "transformer_engine" and args.moe_grouped_gemm):
+        raise PreflightError("--save-tokens-per-expert-interval",
+                             "--save-tokens-per-expert-interval counts tokens at Transformer "
+                             "Engine's grouped-GEMM experts only: these experts "
+                             f"(--transformer-impl {args.transformer_impl}"
+                             f"{'' if args.moe_grouped_gemm else ', no --moe-grouped-gemm'}) "
+                             "would write no dump, without a word; fix: pass --transformer-impl "
+                             "transformer_engine --moe-grouped-gemm, or drop "
+                             "--save-tokens-per-expert-interval (the launcher's [expert load] "
+                             "log line counts tokens per expert on any experts)")
+
+
 @preflight_check("persistent-checkpoint-worker-without-cuda", machine=True)
 def check_persistent_checkpoint_worker_without_cuda(args) -> None:
     # megatron-core 0.19.2's persistent async-save worker (--async-save with

@@ -121,6 +121,12 @@ CASES = {
     "router-fusion-without-transformer-engine": (1, ["--moe-router-fusion"], "--moe-router-fusion"),
     # megatron fails on every rank once the model is built, or at the first step
     # (test_without_the_check_megatron_fails_on_these_fsdp_and_optimizer_choices below).
+    "activation-dump-needs-transformer-engine": (1, ["--save-activations-interval", "1"],
+                                                 "--save-activations-interval"),
+    "dgrad-dump-needs-transformer-engine": (1, ["--save-dgrads-interval", "1"],
+                                            "--save-dgrads-interval"),
+    "tokens-per-expert-dump-on-local-experts": (1, ["--save-tokens-per-expert-interval", "1"],
+                                                "--save-tokens-per-expert-interval"),
     "persistent-checkpoint-worker-needs-nvrx": (1, ["--async-save",
                                                     "--use-persistent-ckpt-worker"],
                                                 "--use-persistent-ckpt-worker"),
@@ -453,6 +459,10 @@ def test_megatron_fsdp_low_precision_main_weights_pass_without_clipping(monkeypa
 
 # case -> (the check left out, what megatron-core 0.19.2 raises)
 MEGATRON_FAILS = {
+    "activation-dump-needs-transformer-engine": (
+        "optional-packages", "TypeError: isinstance() arg 2 must be a type"),
+    "dgrad-dump-needs-transformer-engine": (
+        "optional-packages", "TypeError: isinstance() arg 2 must be a type"),
     # (on this machine without CUDA the worker's own check would refuse next)
     "persistent-checkpoint-worker-needs-nvrx": (
         "optional-packages,persistent-checkpoint-worker-without-cuda",
@@ -477,6 +487,18 @@ def test_without_the_check_megatron_fails_on_these_choices(case, tmp_path):
     run = launch(1, argv, env={"PREFLIGHT_LEFT_OUT": check},
                  script=REPO / "tests" / "_preflight_left_out.py", timeout=300)
     assert run.returncode != 0 and error in run.log, run.log[-3000:]
+
+
+@pytest.mark.slow
+def test_without_the_check_the_tokens_per_expert_dump_is_never_written(tmp_path):
+    """What tokens-per-expert-dump-experts refuses: megatron-core 0.19.2 trains the local spec's
+    experts as asked, exit 0, and writes no tokens_per_expert dump into --save."""
+    _, argv, _ = case_command_line("tokens-per-expert-dump-on-local-experts", tmp_path / "ckpt")
+    run = launch(1, argv, env={"PREFLIGHT_LEFT_OUT": "tokens-per-expert-dump-experts"},
+                 script=REPO / "tests" / "_preflight_left_out.py", timeout=300).check()
+    assert "iteration        2/" in run.log, run.log[-3000:]
+    assert sorted(os.listdir(tmp_path / "ckpt")) and not (tmp_path / "ckpt" /
+                                                          "tokens_per_expert").exists()
 
 
 def test_without_the_check_megatron_refuses_seed_0_as_it_seeds_every_rank():
