@@ -170,7 +170,7 @@ def check_load_torch_format_layout(args) -> None:
             or not torch_format.is_torch_format(iteration)):
         return
     files = torch_format.model_files(iteration)
-    saved = torch_format.saved_args(files[0]) if files else None
+    saved = torch_format.readable_saved_args(files[0]) if files else None
     if saved is None:
         return
     changed = [(flag, getattr(saved, name), getattr(args, name))

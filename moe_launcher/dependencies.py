@@ -7,7 +7,7 @@ NameError, NVRx's persistent async-save worker as megatron initialises). Each
 row of `REQUIREMENTS` names a feature, how to tell the command line asks for it, and the
 package it needs; a command line that asks for a feature whose package is not importable is
 refused before any work, with the install or the flag to drop. Where the package is present
-the flag passes unchanged.
+the flag passes unchanged. The persistent async-save worker also needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -122,3 +122,23 @@ def check_optional_packages(args) -> None:
                              f"{missing.flag} needs the `{missing.package.module}` package, "
                              f"which is not installed; fix: {missing.package.install}, or "
                              f"{missing.alternative}")
+
+
+@preflight_check("persistent-checkpoint-worker-without-cuda", machine=True)
+def check_persistent_checkpoint_worker_without_cuda(args) -> None:
+    # megatron-core 0.19.2's persistent async-save worker (--async-save with
+    # --use-persistent-ckpt-worker; megatron turns --async-save off without it) picks its CUDA
+    # device as `rank % torch.cuda.device_count()`: on a machine without CUDA the worker dies of a
+    # ZeroDivisionError at the first save, and every rank waits for it forever.
+    if not _persistent_checkpoint_worker(args):
+        return
+    import torch
+
+    # (not device_count: the CPU backend counts one virtual device in this process)
+    if not torch.cuda.is_available():
+        raise PreflightError("--use-persistent-ckpt-worker",
+                             "--async-save with --use-persistent-ckpt-worker on a machine without "
+                             "CUDA: megatron's save worker picks a CUDA device, dies at the first "
+                             "save and every rank then waits for it forever; fix: drop "
+                             "--use-persistent-ckpt-worker and --async-save (saves are then "
+                             "synchronous), or run on GPUs")

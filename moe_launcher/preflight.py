@@ -598,26 +598,6 @@ def check_tokens_per_expert_dump_experts(args) -> None:
                              "log line counts tokens per expert on any experts)")
 
 
-@preflight_check("persistent-checkpoint-worker-without-cuda", machine=True)
-def check_persistent_checkpoint_worker_without_cuda(args) -> None:
-    # megatron-core 0.19.2's persistent async-save worker (--async-save with
-    # --use-persistent-ckpt-worker; megatron turns --async-save off without it) picks its CUDA
-    # device as `rank % torch.cuda.device_count()`: on a machine without CUDA the worker dies of a
-    # ZeroDivisionError at the first save, and every rank waits for it forever.
-    if not (args.async_save and getattr(args, "use_persistent_ckpt_worker", False)):
-        return
-    import torch
-
-    # (not device_count: the CPU backend counts one virtual device in this process)
-    if not torch.cuda.is_available():
-        raise PreflightError("--use-persistent-ckpt-worker",
-                             "--async-save with --use-persistent-ckpt-worker on a machine without "
-                             "CUDA: megatron's save worker picks a CUDA device, dies at the first "
-                             "save and every rank then waits for it forever; fix: drop "
-                             "--use-persistent-ckpt-worker and --async-save (saves are then "
-                             "synchronous), or run on GPUs")
-
-
 @preflight_check("context-parallel-attention")
 def check_context_parallel_attention(args) -> None:
     # Context parallelism runs in Transformer Engine's attention; megatron's own

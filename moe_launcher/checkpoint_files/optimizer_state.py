@@ -31,13 +31,13 @@ from typing import Any
 
 from moe_launcher.checkpoint_files import torch_format
 from moe_launcher.checkpoint_files.commit_protocol import loaded_dirname
-from moe_launcher.checkpoint_files.metadata import UnreadableCheckpoint, read_checkpoint_metadata
+from moe_launcher.checkpoint_files.metadata import read_checkpoint_metadata
 from moe_launcher.runtime.refusals import CheckpointLoadError
 
 # megatron's content-metadata key naming how its distributed optimizer cut the saved state; a
 # plain optimizer's save has none.
 _SHARDING_TYPE = "distrib_optim_sharding_type"
-DISTRIBUTED_STATE_FILE = "distrib_optim.pt"
+_DISTRIBUTED_STATE_FILE = "distrib_optim.pt"
 
 
 def _optimizer_name(distributed: bool) -> str:
@@ -54,8 +54,16 @@ class _SavedOptimizer:
 
 def _saved_optimizer(iteration_dir: str) -> _SavedOptimizer | None:
     """What a torch_dist, fsdp_dtensor or torch-format checkpoint says of its optimizer state;
-    None where it cannot be read (the file checks and the load guard judge that) or is none of
-    them."""
+    None where it is none of them or cannot be read: the file checks, the load guard and
+    megatron's own load judge that (rank 0 reads here while the other ranks wait for its
+    verdict, so nothing it reads may raise past this)."""
+    try:
+        return _read_saved_optimizer(iteration_dir)
+    except Exception:  # a truncated torch-format file or pickle raises anything
+        return None
+
+
+def _read_saved_optimizer(iteration_dir: str) -> _SavedOptimizer | None:
     if torch_format.is_torch_format(iteration_dir):
         files = torch_format.model_files(iteration_dir)
         if not files:
@@ -63,13 +71,10 @@ def _saved_optimizer(iteration_dir: str) -> _SavedOptimizer | None:
         # megatron's torch format keeps the distributed optimizer's state in a file of its own
         # beside each model file (get_distributed_optimizer_checkpoint_name).
         return _SavedOptimizer(torch_format.saved_args(files[0]), "torch", os.path.isfile(
-            os.path.join(os.path.dirname(files[0]), DISTRIBUTED_STATE_FILE)))
+            os.path.join(os.path.dirname(files[0]), _DISTRIBUTED_STATE_FILE)))
     if not os.path.isfile(os.path.join(iteration_dir, ".metadata")):
         return None
-    try:
-        saved = read_checkpoint_metadata(iteration_dir, with_args=True, with_payload=False)
-    except UnreadableCheckpoint:
-        return None
+    saved = read_checkpoint_metadata(iteration_dir, with_args=True, with_payload=False)
     if saved.format != "torch_dist" or saved.content is None:
         # fsdp_dtensor: Megatron-FSDP's own optimizer on both sides
         return _SavedOptimizer(saved.args, saved.format, None)

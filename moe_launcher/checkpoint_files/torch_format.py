@@ -31,10 +31,20 @@ def model_files(iteration_dir: str) -> list[str]:
 
 def saved_args(path: str):
     """The megatron arguments a torch-format file was saved with (None where it has none). The
-    tensors are mapped, not read."""
+    tensors are mapped, not read; a file that cannot be read raises (`readable_saved_args`)."""
     import torch
 
     return torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("args")
+
+
+def readable_saved_args(path: str):
+    """saved_args, or None where the file cannot be read (a file cut short): for the checks that
+    judge by the arguments before a load, which leave a damaged file to megatron's load, and
+    whose rank 0 must not raise while the other ranks wait for its verdict."""
+    try:
+        return saved_args(path)
+    except Exception:  # a damaged pickle or zip archive raises anything
+        return None
 
 
 def _positions(generator, token: str) -> dict[int, int]:
@@ -116,9 +126,9 @@ def damage(layout: SavedLayout, name: str, ranks: list[int]) -> str:
 
 def lost_pieces(iteration_dir: str) -> str | None:
     """Why a torch-format checkpoint lacks expert pieces, judged from its saved arguments; None
-    when its layout kept every piece, or when it saved no arguments (nothing to judge by)."""
+    when its layout kept every piece, or when it saved no (readable) arguments to judge by."""
     files = model_files(iteration_dir)
-    args = saved_args(files[0]) if files else None
+    args = readable_saved_args(files[0]) if files else None
     if args is None:
         return None
     shared = shared_files(args)
