@@ -30,9 +30,8 @@ import os
 from typing import Any
 
 from moe_launcher.checkpoint_files import torch_format
-from moe_launcher.checkpoint_files.commit_protocol import loaded_dirname
+from moe_launcher.checkpoint_files.commit_protocol import loaded_iteration_dir
 from moe_launcher.checkpoint_files.metadata import read_checkpoint_metadata
-from moe_launcher.runtime.refusals import CheckpointLoadError
 
 # megatron's content-metadata key naming how its distributed optimizer cut the saved state; a
 # plain optimizer's save has none.
@@ -100,14 +99,12 @@ def load_problems(load_dir: str, ckpt_step: int | None, margs: Any) -> list[str]
     can, when it loads none, or when the checkpoint says too little to judge."""
     if getattr(margs, "finetune", False) or getattr(margs, "no_load_optim", False):
         return []
-    try:
-        dirname = loaded_dirname(load_dir, ckpt_step)
-    except CheckpointLoadError:
-        return []  # the file checks refuse a tracker that does not parse
-    if dirname in (None, "release"):  # megatron loads no optimizer from a release checkpoint
+    # (None also for a tracker that does not parse: the file checks refuse it)
+    iteration_dir = loaded_iteration_dir(load_dir, ckpt_step)
+    # megatron loads no optimizer from a release checkpoint
+    if iteration_dir is None or os.path.basename(iteration_dir) == "release":
         return []
-    iteration_dir = os.path.join(load_dir, dirname)
-    saved = _saved_optimizer(iteration_dir) if os.path.isdir(iteration_dir) else None
+    saved = _saved_optimizer(iteration_dir)
     if saved is None:
         return []
     refusing = f"refusing to resume from {iteration_dir}: "
