@@ -1,8 +1,8 @@
 """Before megatron's load_checkpoint reads anything, rank 0 judges the checkpoint it would read and
 every rank gets the verdict: its files (tracker, `.metadata`, `.distcp` sizes:
 `file_checks`) and whether this run can load its optimizer state (`optimizer_state`: saved
-without one, by the other kind of optimizer, or in another precision). A refusal is one line, on
-every rank.
+without one, by the other kind of optimizer, in another precision, or a torch-format one by another
+--optimizer). A refusal is one line, on every rank.
 
 megatron's --save-retain-interval deletes the previous iteration inside save_checkpoint (a thread
 started just after its tracker write), that is before this patch's commit; a crash then left the
@@ -140,7 +140,8 @@ register(Patch(
     summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "
             "and .distcp sizes (on rank 0) and refuses a damaged checkpoint on every rank, and "
             "one whose optimizer state this run cannot load (saved without one, by the other "
-            "kind of optimizer, or between fp32 and bf16/fp16)",
+            "kind of optimizer, in another precision, or in the torch format by another "
+            "--optimizer)",
     not_needed_because=_load_check_not_needed,
     apply=_apply_load_check,
 ))

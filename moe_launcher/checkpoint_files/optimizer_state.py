@@ -13,14 +13,21 @@ no --finetune, not a release checkpoint) from
   bucket, or by `fp32_param` where fully reshardable; torch: `KeyError: 'state'`), or of the
   plain optimizer into the distributed one (torch_dist: "ShardedTensor.flattened_range is not
   supported", whichever sharding type; torch: `KeyError: 'step'`);
-* a torch_dist checkpoint of a bf16/fp16 run resumed in fp32 or the other way round (the plain
-  optimizer: "ValueError: Could not find parameter group", or `fp32_param` tensors it lacks; the
-  distributed one: buckets keyed by dtype). Between bf16 and fp16 the plain optimizer and a fully
-  reshardable distributed one load; a dp_reshardable one's buckets are refused by the load guard.
+* a checkpoint of a bf16/fp16 run resumed in fp32 or the other way round, in every format
+  (torch_dist's plain optimizer: "ValueError: Could not find parameter group", or `fp32_param`
+  tensors it lacks, the distributed one's buckets keyed by dtype; the torch format: `KeyError:
+  'state'` or 'optimizer_state_dict'; fsdp_dtensor: "Missing key in checkpoint state_dict:
+  optimizer.state..."). Between bf16 and fp16 the plain optimizer, a fully reshardable
+  distributed one and Megatron-FSDP load; a dp_reshardable one's buckets are refused by the load
+  guard; the torch format's distributed optimizer keys its state by the model's dtype
+  (`KeyError: (torch.float16, torch.float16)`), refused here;
+* a torch-format checkpoint of another --optimizer (adam <-> sgd: `KeyError: 'momentum'` or
+  'step'; torch_dist's absent tensors are the load guard's).
 Switching between the distributed optimizer's sharding types (dp_reshardable, fully_reshardable)
-loads, and is not judged. Nor are Megatron-FSDP (its own optimizer on both sides), the
-layer-wise distributed optimizer, or a torch_dist checkpoint without content metadata
-(megatron-core < 0.13): they pass as before.
+or toggling --accumulate-allreduce-grads-in-fp32 loads, and is not judged. Nor are a switch to or
+from Megatron-FSDP (the layout checks' business), the layer-wise distributed optimizer, or a
+torch_dist checkpoint without content metadata (megatron-core < 0.13) beyond its precision: they
+pass as before.
 """
 
 from __future__ import annotations
@@ -114,9 +121,16 @@ def load_problems(load_dir: str, ckpt_step: int | None, margs: Any) -> list[str]
                 f"model is built); fix: add --no-load-optim to load its weights only and start a "
                 f"fresh optimizer (--finetune also restarts the iteration count and the "
                 f"learning-rate schedule)"]
-    if any(getattr(side, name, False) for side in (saved.args, margs)
-           for name in ("use_megatron_fsdp", "use_layer_wise_distributed_optimizer")):
+    sides = (saved.args, margs)
+    megatron_fsdp = [bool(getattr(side, "use_megatron_fsdp", False)) for side in sides]
+    if megatron_fsdp[0] != megatron_fsdp[1] or any(
+            getattr(side, "use_layer_wise_distributed_optimizer", False) for side in sides):
         return []
+    precision = _precision_problem(saved, margs)
+    if precision:
+        return [refusing + precision]
+    if megatron_fsdp[0]:
+        return []  # Megatron-FSDP's own optimizer on both sides
     distributed = bool(getattr(margs, "use_distributed_optimizer", False))
     if saved.distributed not in (None, distributed):
         return [f"{refusing}its optimizer state was saved by "
@@ -125,11 +139,31 @@ def load_problems(load_dir: str, ckpt_step: int | None, margs: Any) -> list[str]
                 f"into the other (it fails on every rank once the model is built); "
                 + _weights_only(f"{'with' if saved.distributed else 'without'} "
                                 f"--use-distributed-optimizer")]
-    was, now = _precision(saved.args), _precision(margs)
-    if saved.format == "torch_dist" and saved.args is not None and was != now and \
-            _FP32 in (was, now):
-        return [f"{refusing}its optimizer state was saved by a run in {was} and this one "
-                f"trains in {now}: megatron-core 0.19.2's optimizers keep other state for each (fp32 main "
-                f"weights beside the bf16/fp16 ones) and the load fails on every rank once the "
-                f"model is built; " + _weights_only(f"in {was}")]
+    was, now = (getattr(side, "optimizer", None) for side in sides)
+    if saved.format == "torch" and None not in (was, now) and was != now:
+        return [f"{refusing}its optimizer state was saved by --optimizer {was} and this run uses "
+                f"--optimizer {now}: megatron-core 0.19.2's torch-format load looks for one's "
+                f"state in the other's and fails on every rank once the model is built; "
+                + _weights_only(f"with --optimizer {was}")]
     return []
+
+
+def _precision_problem(saved: _SavedOptimizer, margs: Any) -> str | None:
+    """Why the optimizer state saved in one precision cannot be loaded in this run's; None when
+    it can or the checkpoint does not say. Between fp32 and bf16/fp16 the optimizers keep other
+    state (fp32 main weights beside the bf16/fp16 ones) in every format; the torch format's
+    distributed optimizer keys its state by the model's dtype, so it fails between bf16 and
+    fp16 too."""
+    if saved.args is None:
+        return None
+    was, now = _precision(saved.args), _precision(margs)
+    keyed_by_dtype = saved.format == "torch" and saved.distributed
+    if was == now or not (keyed_by_dtype or _FP32 in (was, now)):
+        return None
+    return (f"its optimizer state was saved by a run in {was} and this one trains in {now}: "
+            f"megatron-core 0.19.2 keeps other optimizer state for each "
+            + ("(its torch-format distributed optimizer keys the state by the model's dtype)"
+               if keyed_by_dtype and _FP32 not in (was, now) else
+               "(fp32 main weights beside the bf16/fp16 ones)")
+            + f" and the load fails on every rank once the model is built; "
+            + _weights_only(f"in {was}"))

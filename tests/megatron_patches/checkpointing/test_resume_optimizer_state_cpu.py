@@ -2,7 +2,9 @@
 checkpoint-load-integrity (moe_launcher/checkpoint_files/optimizer_state.py): a checkpoint saved
 with --no-save-optim (torch_dist, Megatron-FSDP's fsdp_dtensor, the torch format), a checkpoint
 of the distributed optimizer resumed by the plain one and the other way round (torch_dist and the
-torch format), and a torch_dist checkpoint of a bf16 run resumed in fp32 (or the other way round).
+torch format), a checkpoint of a bf16 run resumed in fp32 (or the other way round; torch_dist,
+fsdp_dtensor, the torch format), in fp16 by the torch format's distributed optimizer, and a
+torch-format checkpoint resumed with another --optimizer.
 
 The checkpoints are real saves, the distributed optimizer's on 2 ranks (its state is then byte
 objects, not tensors). Each resume is judged in this process with megatron's own arguments for
@@ -24,7 +26,7 @@ import shutil
 import pytest
 
 from _judge import checked_args
-from _launch import TINY_MODEL, launch
+from _launch import TINY_MODEL, launch, printed_losses
 from moe_launcher.checkpoint_files import optimizer_state
 
 pytestmark = pytest.mark.slow
@@ -43,6 +45,7 @@ SAVES = {
     "distributed": (2, DISTRIBUTED),
     "plain": (1, []),
     "no-optimizer": (1, ["--no-save-optim"]),
+    "megatron-fsdp": (2, MEGATRON_FSDP),
     "megatron-fsdp-no-optimizer": (2, [*MEGATRON_FSDP, "--no-save-optim"]),
     "torch-distributed": (1, [*TORCH_FORMAT, *DISTRIBUTED]),
     "torch-plain": (1, TORCH_FORMAT),
@@ -77,7 +80,17 @@ REFUSED = {
     "bf16-into-fp32": ("plain", [FP32], "resume in --bf16 as saved"),
     "distributed-bf16-into-fp32": ("distributed", [*DISTRIBUTED, FP32],
                                    "resume in --bf16 as saved"),
+    "megatron-fsdp-bf16-into-fp32": ("megatron-fsdp", [*MEGATRON_FSDP, FP32],
+                                     "resume in --bf16 as saved"),
+    "torch-plain-bf16-into-fp32": ("torch-plain", [*TORCH_FORMAT, FP32],
+                                   "resume in --bf16 as saved"),
+    "torch-distributed-bf16-into-fp16": ("torch-distributed",
+                                         [*TORCH_FORMAT, *DISTRIBUTED, FP32, "--fp16"],
+                                         "resume in --bf16 as saved"),
+    "torch-another-optimizer": ("torch-plain", [*TORCH_FORMAT, "--optimizer", "sgd"],
+                                "resume with --optimizer adam as saved"),
 }
+FAILS_AT_THE_FIRST_STEP = {"torch-another-optimizer"}
 ACCEPTED = {
     "distributed-as-saved": ("distributed", DISTRIBUTED),
     "distributed-fully-reshardable": ("distributed", FULLY_RESHARDABLE),
@@ -90,6 +103,11 @@ ACCEPTED = {
     "bf16-into-fp16": ("plain", [FP32, "--fp16"]),
     "distributed-fully-reshardable-bf16-into-fp16": ("distributed",
                                                      [*FULLY_RESHARDABLE, FP32, "--fp16"]),
+    "megatron-fsdp-bf16-into-fp16": ("megatron-fsdp", [*MEGATRON_FSDP, FP32, "--fp16"]),
+    "torch-plain-bf16-into-fp16": ("torch-plain", [*TORCH_FORMAT, FP32, "--fp16"]),
+    "torch-distributed-grads-in-fp32": ("torch-distributed",
+                                        [*TORCH_FORMAT, *DISTRIBUTED,
+                                         "--accumulate-allreduce-grads-in-fp32"]),
 }
 
 
@@ -149,9 +167,12 @@ def test_the_launched_resume(case, patched, saved, tmp_path):
         assert "Traceback" not in run.log, run.log[-3000:]
         assert not (tmp_path / "save").exists()
         return
-    # megatron's own load, after the model and optimizer are built: a traceback on every rank
-    assert "in load_checkpoint" in run.log, run.log[-3000:]
+    # megatron's own load, after the model and optimizer are built, or (Adam's torch-format
+    # param groups loaded into SGD's) SGD's first step: a traceback on every rank
+    where = "in train_step" if case in FAILS_AT_THE_FIRST_STEP else "in load_checkpoint"
+    assert where in run.log, run.log[-3000:]
     assert run.log.count("Traceback") >= world, run.log[-3000:]
+    assert not printed_losses(run.log), run.log[-3000:]
 
 
 # name: (checkpoint, the resume's flags, what the refusal names), refused by
