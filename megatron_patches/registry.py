@@ -219,6 +219,7 @@ PATCH_MODULES = (
     "megatron_patches.fsdp.fsdp_dtensor_release_load",
     "megatron_patches.fsdp.fsdp_dtensor_batched_chunk_metadata",
     "megatron_patches.checkpointing.torch_format_shard_guard",
+    "megatron_patches.checkpointing.torch_format_ckpt_step",
     "megatron_patches.checkpointing.checkpoint_completeness_guard",
     "megatron_patches.checkpointing.checkpoint_load_guard",
     "megatron_patches.checkpointing.atomic_checkpoint_commit",

@@ -52,11 +52,9 @@ def test_resume_matches_uninterrupted_run(layout, tmp_path):
     nproc, layout_args = LAYOUTS[layout]
     if "--moe-token-dispatcher-type" not in layout_args:
         layout_args = layout_args + ["--moe-token-dispatcher-type", "alltoall"]
-    # The torch format's distributed-optimizer state is loaded from the tracker's iteration,
-    # not --ckpt-step's (megatron-core 0.19.2 load_checkpoint): those layouts use megatron's
-    # plain optimizer.
-    optimizer = [] if "torch" in layout_args else ["--use-distributed-optimizer"]
-    common = [*TINY_MODEL, *optimizer, "--ckpt-format", "torch_dist", *layout_args,
+    # (The torch format's distributed-optimizer state at --ckpt-step: torch-format-ckpt-step.)
+    common = [*TINY_MODEL, "--use-distributed-optimizer", "--ckpt-format", "torch_dist",
+              *layout_args,
               "--train-iters", str(2 * K), "--save-interval", str(K)]
 
     full = launch(nproc, [*common, "--save", str(tmp_path / "full"),
