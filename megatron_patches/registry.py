@@ -216,6 +216,7 @@ PATCH_MODULES = (
     "megatron_patches.fsdp.fsdp_fused_wgrad_accumulation",
     "megatron_patches.fsdp.fsdp_model_to_main_weights",
     "megatron_patches.fsdp.fsdp_fp16_empty_shard_grads",
+    "megatron_patches.fsdp.fsdp_dtensor_loss_scale",
     "megatron_patches.fsdp.fsdp_dtensor_release_load",
     "megatron_patches.fsdp.fsdp_dtensor_batched_chunk_metadata",
     "megatron_patches.checkpointing.torch_format_shard_guard",
