@@ -205,6 +205,7 @@ PATCH_MODULES = (
     "megatron_patches.accounting.flops_from_layer_census",
     "megatron_patches.accounting.mfu_log",
     "megatron_patches.accounting.first_log_interval_reset",
+    "megatron_patches.accounting.skipped_interval_loss_line",
     "megatron_patches.accounting.moe_loss_names_by_type",
     "megatron_patches.accounting.loss_over_real_vocabulary",
     "megatron_patches.accounting.fused_cross_entropy_gradient_dtype",
