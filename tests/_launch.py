@@ -305,6 +305,8 @@ def tensorboard_scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
 
 def printed_losses(log: str, key: str = "lm loss") -> dict[int, str]:
     """The `key` megatron printed on each iteration line (iteration -> the printed text, e.g.
-    '7.123456E+00'): the mean over the iterations since the previous line."""
+    '7.123456E+00'): the mean over the iterations since the previous line; also a count
+    megatron pads ('number of skipped iterations': '  1' -> '1')."""
     return {int(iteration): value for iteration, value in re.findall(
-        rf"^.* iteration\s+(\d+)/\s*\d+ \|.* {re.escape(key)}: ([-+.0-9E]+) \|", log, flags=re.M)}
+        rf"^.* iteration\s+(\d+)/\s*\d+ \|.* {re.escape(key)}:\s+([-+.0-9E]+) \|", log,
+        flags=re.M)}

@@ -104,8 +104,8 @@ PATCH = register(Patch(
              "divided by max(1, 0))",
     versions=">=0.19,<0.20",
     summary="a log line whose interval stepped no iteration (fp16 overflow skips) prints no "
-            "losses instead of 'lm loss: 0.000000E+00' (TensorBoard/wandb get each "
-            "iteration's own loss as before)",
+            "losses instead of a loss of 0 for each (TensorBoard/wandb get each iteration's "
+            "own loss as before)",
     not_needed_because=_not_needed_because,
     apply=_apply,
 ))

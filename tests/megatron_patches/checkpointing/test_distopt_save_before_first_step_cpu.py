@@ -9,8 +9,6 @@ with megatron-core 0.19.2's `KeyError: 'exp_avg'` (Megatron-LM #602) and nothing
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from _launch import TINY_MODEL, launch, printed_losses
@@ -18,6 +16,7 @@ from _launch import TINY_MODEL, launch, printed_losses
 pytestmark = pytest.mark.slow
 
 NAME = "distopt-save-before-first-step"
+SKIPPED = "number of skipped iterations"
 # The tiny model's fp16 gradients overflow at this scale: the scaler skips (halving it) before
 # the first step.
 ARGS = [*("--fp16" if flag == "--bf16" else flag for flag in TINY_MODEL),
@@ -26,9 +25,7 @@ ARGS = [*("--fp16" if flag == "--bf16" else flag for flag in TINY_MODEL),
 
 
 def skipped(log: str) -> dict[int, int]:
-    return {int(iteration): int(count) for iteration, count in re.findall(
-        r"^.* iteration\s+(\d+)/\s*\d+ \|.* number of skipped iterations:\s+(\d+) \|", log,
-        flags=re.M)}
+    return {i: int(count) for i, count in printed_losses(log, SKIPPED).items()}
 
 
 def test_saved_before_the_first_step_resumes_as_the_run_trained_on(tmp_path):
