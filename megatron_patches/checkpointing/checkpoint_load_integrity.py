@@ -1,8 +1,8 @@
 """Before megatron's load_checkpoint reads anything, rank 0 judges the checkpoint it would read and
 every rank gets the verdict: its files (tracker, `.metadata`, `.distcp` sizes:
 `file_checks`) and whether this run can load its optimizer state (`optimizer_state`: saved
-without one, by the other kind of optimizer, in another precision, or a torch-format one by another
---optimizer). A refusal is one line, on every rank.
+without one, by the other kind of optimizer, in another precision, or a torch-format one by
+another --optimizer). A refusal is one line, on every rank.
 
 megatron's --save-retain-interval deletes the previous iteration inside save_checkpoint (a thread
 started just after its tracker write), that is before this patch's commit; a crash then left the

@@ -8,13 +8,14 @@ is distopt-save-before-first-step (Megatron-LM #602).
 Adam keeps no moments for a parameter until its first step, and an fp16 run skips its first
 steps while the loss scaler calibrates (the default initial scale, 2^32, overflows), so a save
 in that window (a short --save-interval, a time-limit or signal save) writes a checkpoint
-without them (`--optimizer adam`, megatron's default; SGD's momentum is not made at a save); megatron makes them (`init_state_fn`) only for the load's template. The save
-succeeds, and every resume from it fails on every rank ("optimizer.state.exp_avg... from model
-not in state dict"; checkpoint-load-guard refuses it in one line): the checkpoint is good for
---no-load-optim only. Before such a save the moments are made as megatron makes them for a load
-(zeros: what Adam's first step starts from); torch's own Adam (no Transformer Engine or apex)
-also gets its step count, 0, which megatron does not save at 0 and so is given back at a load
-of moments saved without any step.
+without them (`--optimizer adam`, megatron's default; SGD's momentum is not made at a save);
+megatron makes them (`init_state_fn`) only for the load's template. The save succeeds, and every
+resume from it fails on every rank ("optimizer.state.exp_avg... from model not in state dict";
+checkpoint-load-guard refuses it in one line): the checkpoint is good for --no-load-optim only.
+Before such a save the moments are made as megatron makes them for a load (zeros: what Adam's
+first step starts from); torch's own Adam (no Transformer Engine or apex) also gets its step
+count, 0, which megatron does not save at 0 and so is given back at a load of moments saved
+without any step.
 
 Needed while megatron's sharded_state_dict makes the optimizer state only for a load (judged
 from its source).

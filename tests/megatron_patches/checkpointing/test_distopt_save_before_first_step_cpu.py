@@ -3,8 +3,9 @@ torch format while its loss scaler still skips every step (no Adam moments exist
 resume from that checkpoint trains on as the uninterrupted run.
 
 Reference: the uninterrupted run (2 ranks, the same command line without saving): the resumed
-losses and loss scales of iterations 3-6 equal its own. Without the patch the save fails on every rank
-with megatron-core 0.19.2's `KeyError: 'exp_avg'` (Megatron-LM #602) and nothing is committed.
+losses and loss scales of iterations 3-6 equal its own. Without the patch the save fails on
+every rank with megatron-core 0.19.2's `KeyError: 'exp_avg'` (Megatron-LM #602) and nothing is
+committed.
 """
 
 from __future__ import annotations
