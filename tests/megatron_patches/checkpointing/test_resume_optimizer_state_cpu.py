@@ -14,9 +14,9 @@ patch (one line, every rank exits non-zero, nothing written to --save) and witho
 rank once the model is built, so the refusal is not a false one.
 
 Optimizer tensors the checkpoint lacks for another reason (another --optimizer; the distributed
-optimizer's buckets, keyed by dtype, from bf16 into fp16) are refused by checkpoint-load-guard on the state dict megatron is about to load,
-naming the tensors and the flags changed since the save; those resumes are launched, with the
-guard and without it.
+optimizer's buckets, keyed by dtype, from bf16 into fp16) are refused by checkpoint-load-guard on
+the state dict megatron is about to load, naming the tensors and the flags changed since the
+save; those resumes are launched, with the guard and without it.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ ABSENT = {
 def test_a_resume_whose_optimizer_tensors_the_checkpoint_lacks(case, patched, saved, tmp_path):
     checkpoint, flags, named = ABSENT[case]
     world = SAVES[checkpoint][0]
-    run = launch(world, resume(saved[checkpoint], flags, tmp_path / "save"), env={} if patched else {"MEGATRON_PATCHES_DISABLE": GUARD},
-                 timeout=300)
+    run = launch(world, resume(saved[checkpoint], flags, tmp_path / "save"),
+                 env={} if patched else {"MEGATRON_PATCHES_DISABLE": GUARD}, timeout=300)
     assert run.returncode != 0, run.log[-3000:]
     if patched:
         lines = [line for line in run.log.splitlines() if "pretrain_moe: error: " in line]
