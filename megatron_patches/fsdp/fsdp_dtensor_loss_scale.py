@@ -21,6 +21,7 @@ import functools
 import inspect
 
 from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
+from moe_launcher.checkpoint_files import reads as checkpoint_reads
 
 NAME = "fsdp-dtensor-loss-scale"
 KEY = "grad_scaler"
@@ -37,13 +38,13 @@ def _distributed_optimizer():
 
 def _checkpoint_holds_loss_scale() -> bool:
     """Whether the checkpoint this load reads saved the scaler (megatron names it as its own
-    fsdp_dtensor load does; the load's reads are shared, see checkpoint_files/reads.py)."""
+    fsdp_dtensor load does), from the `.metadata` read the load's checks keep
+    (checkpoint_files/reads.py: one read per rank inside checkpoint-load-integrity's scope)."""
     from megatron.training.checkpointing import get_load_checkpoint_path_by_args
     from megatron.training.global_vars import get_args
-    from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        saved = FileSystemReader(get_load_checkpoint_path_by_args(get_args())).read_metadata()
+        saved = checkpoint_reads.read_metadata(get_load_checkpoint_path_by_args(get_args()))
     except FileNotFoundError:
         return False
     return any(key.startswith(_SAVED_PREFIX) for key in saved.state_dict_metadata)
@@ -59,12 +60,12 @@ def _apply() -> None:
     if wrapped_by(cls.sharded_state_dict, NAME):
         return
     sharded_state_dict, load_state_dict = cls.sharded_state_dict, cls.load_state_dict
+    signature = inspect.signature(sharded_state_dict)
 
     @functools.wraps(sharded_state_dict)
     def sharded_state_dict_with_loss_scale(self, *args, **kwargs):
         state = sharded_state_dict(self, *args, **kwargs)
-        is_loading = inspect.signature(sharded_state_dict).bind(
-            self, *args, **kwargs).arguments.get("is_loading", False)
+        is_loading = signature.bind(self, *args, **kwargs).arguments.get("is_loading", False)
         if (_scales_loss(self) and isinstance(state, dict) and _FSDP_DTENSOR_STATE in state
                 and (not is_loading or _checkpoint_holds_loss_scale())):
             # At a load the scaler's own state is the template the checkpoint is read into.
