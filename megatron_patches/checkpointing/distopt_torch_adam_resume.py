@@ -39,8 +39,9 @@ def _uses_torch_adam(optimizer) -> bool:
     return isinstance(getattr(optimizer, "optimizer", None), _TORCH_ADAM)
 
 
-def _create_adam_state(adam: torch.optim.Optimizer) -> None:
-    """Creates the state torch's Adam creates at its first step, for parameters that lack it."""
+def create_adam_state(adam: torch.optim.Optimizer) -> None:
+    """Creates the state torch's Adam creates at its first step, for parameters that lack it
+    (also plain-optimizer-save-before-first-step's, before a save)."""
     for group in adam.param_groups:
         for param in group["params"]:
             state = adam.state[param]
@@ -66,7 +67,7 @@ def _apply():
     @functools.wraps(state_dict)
     def state_dict_with_adam_state(self):
         if _uses_torch_adam(self):
-            _create_adam_state(self.optimizer)
+            create_adam_state(self.optimizer)
         return state_dict(self)
 
     @functools.wraps(load_state_dict)

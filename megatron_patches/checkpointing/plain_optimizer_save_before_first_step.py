@@ -28,6 +28,7 @@ import inspect
 
 import torch
 
+from megatron_patches.checkpointing.distopt_torch_adam_resume import create_adam_state
 from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "plain-optimizer-save-before-first-step"
@@ -43,17 +44,6 @@ def _plain_optimizers() -> tuple[type, ...]:
 
 def _params(optimizer) -> list:
     return [param for group in optimizer.param_groups for param in group["params"]]
-
-
-def _give_torch_adam_its_step(optimizer) -> None:
-    """torch's Adam reads `step` beside the moments once they exist (it makes all three at its
-    first step): 0 where they exist without one."""
-    if not isinstance(optimizer, _TORCH_ADAM):
-        return
-    for param in _params(optimizer):
-        state = optimizer.state.get(param)
-        if state and "step" not in state:
-            state["step"] = torch.tensor(0.0)
 
 
 def _step_zero_where_none_was_saved(state_dict: dict) -> None:
@@ -85,8 +75,10 @@ def _apply() -> None:
             # copy the first gradient into its momentum buffer: not made here).
             if not is_loading and self.config.optimizer == "adam" and any(
                     not inner.state.get(param) for param in _params(inner)):
-                self.init_state_fn(inner, self.config)
-                _give_torch_adam_its_step(inner)
+                if isinstance(inner, _TORCH_ADAM):
+                    create_adam_state(inner)  # its step too, which init_state_fn leaves out
+                else:
+                    self.init_state_fn(inner, self.config)
             return _original(self, *args, **kwargs)
 
         def load_with_step(self, state_dict, _original=load_state_dict):
