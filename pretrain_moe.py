@@ -7,6 +7,7 @@ activated and the CPU-only flags are supplied, so the command line is the same e
 """
 
 import atexit
+import faulthandler
 import os
 import signal
 import sys
@@ -24,6 +25,10 @@ def log0(line: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    # A rank killed by a signal (SIGABRT from NCCL's watchdog after a collective timed out or
+    # from glibc on a corrupted heap, SIGSEGV) prints every thread's Python stack first: the log
+    # says where each rank was, not only that one died.
+    faulthandler.enable(all_threads=True)
     # A write past the file-size limit (RLIMIT_FSIZE) raises OSError(EFBIG) instead of killing
     # the process, so a save that runs out of room fails like a full disk, with a message.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
