@@ -194,8 +194,16 @@ class Run:
     log: str
 
     def check(self) -> "Run":
-        assert self.returncode == 0, f"launcher failed ({self.returncode}):\n{self.log[-6000:]}"
+        assert self.returncode == 0, f"launcher failed ({self.returncode}):\n{self.failure()}"
         return self
+
+    def failure(self) -> str:
+        """The log's tail, and where a rank died of a signal (pretrain_moe.py's faulthandler
+        report, whose thread stacks push the cause out of the tail) what it printed first."""
+        fatal = self.log.find("Fatal Python error")
+        if fatal < 0 or fatal >= len(self.log) - 6000:
+            return self.log[-6000:]
+        return f"{self.log[max(0, fatal - 1500):fatal + 3000]}\n[...]\n{self.log[-3000:]}"
 
     @property
     def exit_codes(self) -> list[int]:

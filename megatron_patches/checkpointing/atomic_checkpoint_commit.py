@@ -405,6 +405,18 @@ def install(name: str, wrapper: Callable[[Callable], Callable], patch: str) -> N
             setattr(module, name, wrapper(current))
 
 
+def bound_load_call(signature: inspect.Signature, args: tuple, kwargs: dict):
+    """A call of megatron's load_checkpoint (`signature`, its own): (its arguments bound, defaults
+    applied; megatron's args; the folder it loads: the args attribute its `load_arg` names,
+    --load by default)."""
+    from megatron.training.global_vars import get_args
+
+    margs = get_args()
+    call = signature.bind(*args, **kwargs)
+    call.apply_defaults()
+    return call, margs, getattr(margs, call.arguments.get("load_arg") or "load", None)
+
+
 def _commit_not_needed(context: PatchContext) -> str | None:
     from megatron.training import checkpointing
 

@@ -23,7 +23,8 @@ import os
 import re
 from typing import Callable
 
-from megatron_patches.checkpointing.atomic_checkpoint_commit import install, own, writer_claims_of
+from megatron_patches.checkpointing.atomic_checkpoint_commit import (
+    bound_load_call, install, own, writer_claims_of)
 from megatron_patches.registry import Patch, PatchContext, register
 from moe_launcher.checkpoint_files import file_checks, optimizer_state, save_continuity
 from moe_launcher.checkpoint_files import reads as checkpoint_reads
@@ -39,12 +40,8 @@ def _wrap_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load_checkpoint(*args, **kwargs):
         from megatron.training import checkpointing
-        from megatron.training.global_vars import get_args
 
-        margs = get_args()
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        load_dir = getattr(margs, call.arguments.get("load_arg") or "load", None)
+        call, margs, load_dir = bound_load_call(signature, args, kwargs)
         # This job's own --save is claimed (and recovered) before anything is read from it;
         # only atomic-checkpoint-commit's saves need the claim, and only a run that saves (an
         # evaluation may read a directory another job is writing).

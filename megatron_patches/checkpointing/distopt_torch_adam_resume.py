@@ -32,11 +32,13 @@ from megatron.core.optimizer import distrib_optimizer
 
 from megatron_patches.registry import Patch, register
 
-_TORCH_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+# torch's own Adam classes: megatron's optimizer without TE/apex (also read by
+# plain-optimizer-save-before-first-step).
+TORCH_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _uses_torch_adam(optimizer) -> bool:
-    return isinstance(getattr(optimizer, "optimizer", None), _TORCH_ADAM)
+    return isinstance(getattr(optimizer, "optimizer", None), TORCH_ADAM)
 
 
 def create_adam_state(adam: torch.optim.Optimizer) -> None:

@@ -28,11 +28,10 @@ import inspect
 
 import torch
 
-from megatron_patches.checkpointing.distopt_torch_adam_resume import create_adam_state
+from megatron_patches.checkpointing.distopt_torch_adam_resume import TORCH_ADAM, create_adam_state
 from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "plain-optimizer-save-before-first-step"
-_TORCH_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 _MADE_FOR_LOADS_ONLY = "if is_loading:\n            self.init_state_fn("
 
 
@@ -75,14 +74,14 @@ def _apply() -> None:
             # copy the first gradient into its momentum buffer: not made here).
             if not is_loading and self.config.optimizer == "adam" and any(
                     not inner.state.get(param) for param in _params(inner)):
-                if isinstance(inner, _TORCH_ADAM):
+                if isinstance(inner, TORCH_ADAM):
                     create_adam_state(inner)  # its step too, which init_state_fn leaves out
                 else:
                     self.init_state_fn(inner, self.config)
             return _original(self, *args, **kwargs)
 
         def load_with_step(self, state_dict, _original=load_state_dict):
-            if isinstance(self.optimizer, _TORCH_ADAM):
+            if isinstance(self.optimizer, TORCH_ADAM):
                 _step_zero_where_none_was_saved(state_dict)
             _original(self, state_dict)
 

@@ -25,7 +25,7 @@ import inspect
 import os
 from typing import Callable
 
-from megatron_patches.checkpointing.atomic_checkpoint_commit import install
+from megatron_patches.checkpointing.atomic_checkpoint_commit import bound_load_call, install
 from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "torch-format-ckpt-step"
@@ -45,12 +45,8 @@ def _wrap_load(original: Callable) -> Callable:
     @functools.wraps(original)
     def load_checkpoint(*args, **kwargs):
         from megatron.training import checkpointing
-        from megatron.training.global_vars import get_args
 
-        margs = get_args()
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        load_dir = getattr(margs, call.arguments.get("load_arg") or "load", None)
+        _, margs, load_dir = bound_load_call(signature, args, kwargs)
         step = getattr(margs, "ckpt_step", None)
         if not step or load_dir is None:
             return original(*args, **kwargs)
