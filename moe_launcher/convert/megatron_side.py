@@ -287,13 +287,29 @@ def _backend(path: str) -> str | None:
     return backend
 
 
+def _resave_torch_format(path: str) -> str:
+    """The refusal of a --ckpt-format torch checkpoint (one file per model-parallel rank, its
+    pieces laid out by the saving run's layout), with megatron's own converter as the fix."""
+    root, name = os.path.split(os.path.normpath(path))
+    step = f" --ckpt-step {int(name[len('iter_'):])}" if name.startswith("iter_") else ""
+    return (f"{path} is a --ckpt-format torch checkpoint (mp_rank_* files), which the "
+            "conversions do not read; fix: resave it as torch_dist with megatron's converter: "
+            "pretrain_moe.py with the flags and parallel layout of the run that saved it, plus "
+            f"--load {root}{step} --ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR "
+            "(it loads, writes NEW_DIR/torch_dist and exits), then convert NEW_DIR/torch_dist")
+
+
 def checkpoint_format(path: str) -> str:
     """"torch_dist" or "fsdp_dtensor", judged from the files alone; refuses anything else and a
     checkpoint whose files are missing or short. The conversions call it once, before any work;
     saved_args and open_reader then only tell the two formats apart."""
     from moe_launcher.checkpoint_files.file_checks import file_problems
 
+    from moe_launcher.checkpoint_files import torch_format
+
     backend = _backend(path)
+    if backend is None and os.path.isdir(path) and torch_format.is_torch_format(path):
+        raise ConvertError(_resave_torch_format(path))
     if backend not in ("torch_dist", "fsdp_dtensor"):
         raise ConvertError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint "
                            f"(sharded_backend {backend!r})")

@@ -528,6 +528,36 @@ def test_export_copies_the_tokenizer(family_conversions, tmp_path):
     assert "are MixtralConfig's defaults; --config-from the source model's folder" in run.stdout
 
 
+def test_a_torch_format_checkpoint_is_refused_with_megatrons_converter_as_the_fix(tmp_path,
+                                                                                 capsys):
+    """A --ckpt-format torch checkpoint (2 ranks, DP2): export-hf refuses it in one line naming
+    megatron's own converter (--ckpt-convert-format torch_dist), writing nothing; the fix as
+    the line gives it resaves the checkpoint, which then exports with the weights of the torch
+    format's own file (reference: megatron's model_optim_rng.pt, read with torch.load)."""
+    from safetensors.torch import load_file
+
+    from _launch import TINY_MODEL, launch
+
+    torch_ckpt, resaved = tmp_path / "torch", tmp_path / "resaved"
+    run_flags = [*TINY_MODEL, "--train-iters", "1", "--ckpt-format", "torch"]
+    fix = f"--load {torch_ckpt} --ckpt-step 1 --ckpt-convert-format torch_dist " \
+          "--ckpt-convert-save NEW_DIR"
+    launch(2, [*run_flags, "--save", str(torch_ckpt), "--save-interval", "1"]).check()
+    # (both launches before the conversions, which set HF_HUB_OFFLINE: the rank server serves
+    # only launches with its own environment)
+    launch(2, [*run_flags, *fix.replace("NEW_DIR", str(resaved)).split()]).check()
+    (tmp_path / "refused").mkdir()
+    line = refused(capsys, tmp_path / "refused", "export-hf", torch_ckpt)
+    assert "is a --ckpt-format torch checkpoint" in line and fix in line, line
+    convert("export-hf", resaved / "torch_dist", tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    saved = torch.load(torch_ckpt / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
+                       weights_only=False)["model"]
+    assert torch.equal(exported["model.embed_tokens.weight"],
+                       saved["embedding.word_embeddings.weight"])
+    assert torch.equal(exported["lm_head.weight"], saved["output_layer.weight"])
+
+
 def test_export_keeps_the_source_models_token_ids_and_generation_config(family_conversions,
                                                                         tmp_path, capsys):
     """--config-from: the source folder's bos/eos/pad ids and generation_config.json, which the
