@@ -620,6 +620,36 @@ def check_context_parallel_attention(args) -> None:
                              "(not --attention-backend local), or pass --context-parallel-size 1")
 
 
+def _spec_local_imports() -> bool:
+    """Whether megatron's config builder can import `--spec local` (it imports --spec as a
+    (module, function) pair; megatron-core 0.19.2 raises ValueError on the one word)."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    try:
+        return import_module(["local"]) is not None
+    except Exception:  # noqa: BLE001 -- whatever megatron's importer raises
+        return False
+
+
+@preflight_check("attention-backend-local")
+def check_attention_backend_local(args) -> None:
+    # megatron's validation takes --attention-backend local only with --spec local, and its
+    # config builder (before the model) imports --spec, which 'local' names no module of: every
+    # such command line failed before work with a TypeError or ValueError naming neither flag.
+    # The local spec's attention is the same DotProductAttention (--transformer-impl local).
+    from megatron.core.transformer.enums import AttnBackend
+
+    if args.attention_backend != AttnBackend.local or (args.spec == ["local"]
+                                                       and _spec_local_imports()):
+        return
+    raise PreflightError("--attention-backend",
+                         "--attention-backend local cannot run on this megatron-core: its "
+                         "validation asks for --spec local, which its config builder cannot "
+                         "import; fix: drop --attention-backend local (--transformer-impl local "
+                         "builds megatron's own attention, DotProductAttention), or pass flash, "
+                         "fused, unfused or auto")
+
+
 @preflight_check("data-path", machine=True)
 def check_data_path(args) -> None:
     if getattr(args, "mock_data", False):

@@ -164,6 +164,12 @@ CASES = {
     # On CPU the local spec: its attention asserts context_parallel_size == 1 at model build.
     "context-parallel-without-transformer-engine": (2, ["--context-parallel-size", "2"],
                                                     "--context-parallel-size"),
+    # megatron-core 0.19.2 asks for --spec local, then cannot import it (test below).
+    "attention-backend-local": (1, ["--attention-backend", "local"],
+                                "--attention-backend local cannot run"),
+    "attention-backend-local-with-spec-local": (1, ["--attention-backend", "local", "--spec",
+                                                    "local"],
+                                                "--attention-backend local cannot run"),
     # The local HybridModel spec builds attention, dense MLP and MoE layers only.
     "hybrid-family-without-transformer-engine": (1, ["--hybrid-layer-pattern", "*M*E"],
                                                  "--hybrid-layer-pattern"),
@@ -266,6 +272,34 @@ def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypa
     said = [line for line in printed.getvalue().splitlines()
             if ("num_layers" in line or "num-layers" in line) and " ...." not in line]
     assert said == [], said  # only megatron's dump of every argument names it
+
+
+def test_without_the_check_megatron_fails_on_attention_backend_local(monkeypatch):
+    """What attention-backend-local refuses, megatron-core 0.19.2's own code: its validation
+    fails on --attention-backend local without --spec local (a TypeError, indexing the unset
+    --spec), and with it, importing --spec as its config builder does fails (ValueError)."""
+    import contextlib
+    import io
+    import sys
+
+    from megatron.core.transformer.spec_utils import import_module
+
+    from moe_launcher.megatron_validation import parse_command_line, validated_args
+    from moe_launcher.platform_defaults import with_platform_defaults
+    from moe_launcher.runtime.refusals import PreflightError
+
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
+    argv, _ = with_platform_defaults([*BASE, "--attention-backend", "local",
+                                      "--eval-interval", "1000"], on_cpu=True)
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(PreflightError) as failed:
+        validated_args(parse_command_line(argv))
+    assert "TypeError" in str(failed.value) and "arguments.py" in str(failed.value)
+    with contextlib.redirect_stdout(io.StringIO()):
+        spec = validated_args(parse_command_line([*argv, "--spec", "local"])).spec
+    with pytest.raises(ValueError):
+        import_module(spec)
 
 
 def test_gated_delta_net_at_tp_needs_sequence_parallelism():
