@@ -178,6 +178,7 @@ PATCH_MODULES = (
     "megatron_patches.checkpointing.distopt_reshardable_bucket_offsets",
     "megatron_patches.checkpointing.distopt_save_before_first_step",
     "megatron_patches.checkpointing.plain_optimizer_save_before_first_step",
+    "megatron_patches.checkpointing.torch_dcp_optimizer_load",
     "megatron_patches.moe.router_token_counts_fp32",
     "megatron_patches.moe.token_drop_by_position",
     "megatron_patches.moe.expert_bias_counts_routed_tokens",

@@ -405,7 +405,18 @@ def check_checkpoint_format(args) -> None:
     if args.ckpt_format == "fsdp_dtensor" and not args.use_megatron_fsdp:
         raise PreflightError("--ckpt-format",
                              "--ckpt-format fsdp_dtensor is only for --use-megatron-fsdp; fix: "
-                             "pass --use-megatron-fsdp or use --ckpt-format torch_dist")
+                             "pass --use-megatron-fsdp or use --ckpt-format " +
+                             ("torch_dcp" if args.use_torch_fsdp2 else "torch_dist"))
+    # megatron-core 0.19.2 builds a torch_dist save's optimizer state from the model's sharded
+    # state dict, which under torch FSDP2 names no parameter the optimizer holds: the run trains
+    # up to its first save, which fails on every rank (KeyError); torch_dcp saves and resumes.
+    if args.use_torch_fsdp2 and args.ckpt_format == "torch_dist" and args.save:
+        raise PreflightError("--ckpt-format",
+                             "--use-torch-fsdp2 with --ckpt-format torch_dist (the default): "
+                             "every save fails on every rank (KeyError in megatron-core's "
+                             "optimizer state for the saved parameters), so the run would stop "
+                             "at its first save; fix: pass --ckpt-format torch_dcp, megatron's "
+                             "format for torch FSDP2")
 
 
 # The rank order megatron-core 0.19.2's Megatron-FSDP adapter lays its dense device mesh out in

@@ -164,6 +164,11 @@ CASES = {
     # On CPU the local spec: its attention asserts context_parallel_size == 1 at model build.
     "context-parallel-without-transformer-engine": (2, ["--context-parallel-size", "2"],
                                                     "--context-parallel-size"),
+    # megatron-core 0.19.2 fails every such save on every rank (test below).
+    "torch-fsdp2-saving-torch-dist": (2, ["--use-torch-fsdp2"], "fix: pass --ckpt-format "
+                                                                "torch_dcp"),
+    "torch-fsdp2-with-fsdp-dtensor": (2, ["--use-torch-fsdp2", "--ckpt-format", "fsdp_dtensor"],
+                                      "use --ckpt-format torch_dcp"),
     # megatron-core 0.19.2 asks for --spec local, then cannot import it (test below).
     "attention-backend-local": (1, ["--attention-backend", "local"],
                                 "--attention-backend local cannot run"),
@@ -510,6 +515,8 @@ MEGATRON_FAILS = {
     "megatron-fsdp-meta-device-with-cpu-initialization": (
         "megatron-fsdp-meta-device-cpu-initialization",
         "does not have a reset_parameters or _reset_parameters method"),
+    # trains iteration 1, then its save fails (the refused command line's --save-interval 1)
+    "torch-fsdp2-saving-torch-dist": ("checkpoint-format", "failed on rank 0: KeyError: 0"),
 }
 
 
