@@ -48,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
     imp.add_argument("--trust-remote-code", action="store_true",
                      help="load a tokenizer that is code of the folder's own (Moonlight's, "
                           "Kimi's), running that code, to check its size against config.json")
-    exp = commands.add_parser("export-hf", help="a torch_dist or fsdp_dtensor checkpoint -> a HF "
-                                                "folder")
+    exp = commands.add_parser("export-hf", help="a torch_dist, fsdp_dtensor or torch_dcp "
+                                                "checkpoint -> a HF folder")
     exp.add_argument("ckpt_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--iteration", type=int, help="default: the tracker's iteration")

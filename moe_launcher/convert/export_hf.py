@@ -1,6 +1,6 @@
-"""export-hf: a launcher checkpoint (torch_dist or fsdp_dtensor, any layout) as a Hugging Face
-folder that `AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in the
-checkpoint, sharded safetensors with their index, the tokenizer's files (--tokenizer's, else
+"""export-hf: a launcher checkpoint (torch_dist, fsdp_dtensor or torch_dcp, any layout) as a Hugging
+Face folder that `AutoModelForCausalLM.from_pretrained` loads: config.json from the args saved in
+the checkpoint, sharded safetensors with their index, the tokenizer's files (--tokenizer's, else
 those of the run's own --tokenizer-model folder when it trained with HuggingFaceTokenizer), and
 with --config-from the source model's special token ids and generation_config.json (which no
 checkpoint holds), once its config.json is checked to describe the same model. With

@@ -16,10 +16,15 @@ in megatron-core 0.19.2 and checked against the `.metadata` of the launcher's ow
   which fuses norms into the next linear layer. megatron's own map between them (each layer's
   `sharded_state_dict_keys_map`, what makes torch_dist keys spec-independent) gives TE's name,
   so a reader tries both against what `.metadata` holds, and a writer writes the target spec's.
+
+The Reader also reads torch_dcp, megatron's format for torch FSDP2 (`--use-torch-fsdp2`, which
+megatron runs at TP, PP and EP 1 only): the same torch DCP files, each model tensor global under
+`model.` + its name, in the model's dtype, a SwiGLU fc1 whole (TORCH_DCP).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -37,6 +42,28 @@ SPECS = ("transformer_engine", "local")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _GATED_FC1 = re.compile(r"\.mlp\.(experts\.local_experts\.\d+\.|shared_experts\.)?linear_fc1\."
                         r"(weight|bias)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a torch DCP format keeps the model's tensors: under `prefix`, SwiGLU fc1 weights
+    as their `_w`/`_v` halves (`halves`) or whole."""
+    prefix: str
+    halves: bool
+
+
+FSDP_DTENSOR = Layout(MODEL_PREFIX, halves=True)
+TORCH_DCP = Layout("model.", halves=False)
+
+
+def layout_of(path: str) -> Layout | None:
+    """The layout of the model tensors an iteration folder of torch DCP files holds (None: no
+    model tensor under either prefix)."""
+    keys = _metadata(path).keys()
+    for layout in (FSDP_DTENSOR, TORCH_DCP):  # the longer prefix first: it starts with the other
+        if any(key.startswith(layout.prefix) for key in keys):
+            return layout
+    return None
 
 
 def _layer_key_maps(model) -> dict[str, dict[str, str]]:
@@ -63,10 +90,11 @@ def _te_name(name: str, key_maps: dict[str, dict[str, str]]) -> str:
     return name
 
 
-def stored_names(model, spec: str) -> dict[str, list[str]]:
+def stored_names(model, spec: str, halves: bool = True) -> dict[str, list[str]]:
     """Each parameter of the one-rank model (state-dict name) -> the names it is saved under by
-    a run of `spec` (without MODEL_PREFIX): one, or the `_w`/`_v` halves of a SwiGLU fc1."""
-    gated = model.config.gated_linear_unit
+    a run of `spec` (without the layout's prefix): one, or the `_w`/`_v` halves of a SwiGLU fc1
+    where `halves`."""
+    gated = model.config.gated_linear_unit and halves
     key_maps = _layer_key_maps(model) if spec == "transformer_engine" else {}
     names = {}
     for name in model.state_dict():
@@ -78,18 +106,22 @@ def stored_names(model, spec: str) -> dict[str, list[str]]:
     return names
 
 
-def checkpoint_model_tensors(path: str) -> dict[str, TensorStorageMetadata]:
-    """The model tensors an fsdp_dtensor iteration folder holds (MODEL_PREFIX stripped)."""
+def _metadata(path: str) -> dict:
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as error:  # a truncated or garbled pickle raises anything
         raise ConvertError(f"{path}/.metadata is unreadable ({type(error).__name__}: {error})") \
             from None
-    return {key[len(MODEL_PREFIX):]: value for key, value in metadata.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(value, TensorStorageMetadata)}
 
 
-def _spec_of(saved: dict, candidates: dict[str, dict[str, list[str]]]) -> str:
+def checkpoint_model_tensors(path: str, prefix: str = MODEL_PREFIX) -> dict[str,
+                                                                           TensorStorageMetadata]:
+    """The model tensors a torch DCP iteration folder holds under `prefix` (stripped)."""
+    return {key[len(prefix):]: value for key, value in _metadata(path).items()
+            if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)}
+
+
+def _spec_of(saved: dict, candidates: dict[str, dict[str, list[str]]], prefix: str) -> str:
     """The spec whose names the checkpoint holds, every parameter's."""
     for spec, names in candidates.items():
         if all(name in saved for stored in names.values() for name in stored):
@@ -97,7 +129,7 @@ def _spec_of(saved: dict, candidates: dict[str, dict[str, list[str]]]) -> str:
     best = max(candidates, key=lambda s: sum(n in saved for v in candidates[s].values() for n in v))
     missing = [n for v in candidates[best].values() for n in v if n not in saved]
     raise ConvertError(f"the checkpoint lacks {len(missing)} of the model's tensors "
-                       f"(e.g. {MODEL_PREFIX}{missing[0]}; names of the {best} spec): it is "
+                       f"(e.g. {prefix}{missing[0]}; names of the {best} spec): it is "
                        "partial or of another model")
 
 
@@ -107,20 +139,21 @@ def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
 
 
 class Reader:
-    """The one-rank model's parameters read one at a time from an fsdp_dtensor iteration
-    folder, each saved tensor read once, in the model's dtype. Refuses, on opening, a checkpoint
-    that lacks a parameter, holds one of another shape, or holds model tensors no parameter
-    takes (the conversion would drop them). The model may be on the meta device."""
+    """The one-rank model's parameters read one at a time from an fsdp_dtensor (or torch_dcp:
+    `layout`) iteration folder, each saved tensor read once, in the model's dtype. Refuses, on
+    opening, a checkpoint that lacks a parameter, holds one of another shape, or holds model
+    tensors no parameter takes (the conversion would drop them). The model may be on the meta
+    device."""
 
-    def __init__(self, model, path: str):
-        self.path = path
-        self.saved = checkpoint_model_tensors(path)
-        candidates = {spec: stored_names(model, spec) for spec in SPECS}
-        self.spec = _spec_of(self.saved, candidates)
+    def __init__(self, model, path: str, layout: Layout = FSDP_DTENSOR):
+        self.path, self.prefix = path, layout.prefix
+        self.saved = checkpoint_model_tensors(path, self.prefix)
+        candidates = {spec: stored_names(model, spec, layout.halves) for spec in SPECS}
+        self.spec = _spec_of(self.saved, candidates, self.prefix)
         self.names = candidates[self.spec]
         used = {name for stored in self.names.values() for name in stored}
         if extra := sorted(set(self.saved) - used):
-            raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{extra[0]}"
+            raise ConvertError(f"the checkpoint's {self.prefix}{extra[0]}"
                                f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''} "
                                "belongs to no parameter of the model its args build: the "
                                "conversion would drop it")
@@ -131,7 +164,7 @@ class Reader:
             whole = _part_shape(shape, len(stored))
             for key in stored:
                 if tuple(self.saved[key].size) != whole:
-                    raise ConvertError(f"the checkpoint's {MODEL_PREFIX}{key} has shape "
+                    raise ConvertError(f"the checkpoint's {self.prefix}{key} has shape "
                                        f"{tuple(self.saved[key].size)}, the model its args "
                                        f"build {whole}")
 
@@ -140,7 +173,7 @@ class Reader:
         whole = torch.empty(shape, dtype=dtype)
         # DCP copies each saved chunk into its place, casting (Megatron-FSDP saves fp32 main
         # weights): the halves of a SwiGLU fc1 land in their rows, no other copy is made.
-        parts = dict(zip((MODEL_PREFIX + key for key in self.names[name]),
+        parts = dict(zip((self.prefix + key for key in self.names[name]),
                          whole.chunk(len(self.names[name]))))
         dcp.load(parts, checkpoint_id=self.path, no_dist=True)
         return whole

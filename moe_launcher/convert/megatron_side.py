@@ -276,14 +276,22 @@ def iteration_dir(ckpt_root: str, iteration: int | None) -> str:
     return path
 
 
+# torch DCP files without megatron's metadata.json, by where they keep the model's tensors
+_DCP_FORMATS = {fsdp_dtensor.FSDP_DTENSOR: "fsdp_dtensor", fsdp_dtensor.TORCH_DCP: "torch_dcp"}
+
+
 def _backend(path: str) -> str | None:
-    """"torch_dist" or "fsdp_dtensor" as the folder's files name it (None: neither)."""
+    """"torch_dist", "fsdp_dtensor" or "torch_dcp" as the folder's files name it (None: none)."""
     from moe_launcher.checkpoint_files.metadata import saved_backend
 
     backend = saved_backend(path)
     if backend is None and not os.path.exists(os.path.join(path, "metadata.json")) and \
             os.path.isfile(os.path.join(path, ".metadata")):
-        backend = "fsdp_dtensor"  # torch DCP files without megatron's metadata.json
+        try:
+            layout = fsdp_dtensor.layout_of(path)
+        except ConvertError:  # an unreadable .metadata: the file checks say so, as damage
+            layout = None
+        backend = _DCP_FORMATS.get(layout, "fsdp_dtensor")
     return backend
 
 
@@ -300,18 +308,18 @@ def _resave_torch_format(path: str) -> str:
 
 
 def checkpoint_format(path: str) -> str:
-    """"torch_dist" or "fsdp_dtensor", judged from the files alone; refuses anything else and a
-    checkpoint whose files are missing or short. The conversions call it once, before any work;
-    saved_args and open_reader then only tell the two formats apart."""
-    from moe_launcher.checkpoint_files.file_checks import file_problems
-
+    """"torch_dist", "fsdp_dtensor" or "torch_dcp" (torch FSDP2's), judged from the files alone;
+    refuses anything else and a checkpoint whose files are missing or short. The conversions
+    call it once, before any work; saved_args and open_reader then only tell the formats
+    apart."""
     from moe_launcher.checkpoint_files import torch_format
+    from moe_launcher.checkpoint_files.file_checks import file_problems
 
     backend = _backend(path)
     if backend is None and os.path.isdir(path) and torch_format.is_torch_format(path):
         raise ConvertError(_resave_torch_format(path))
-    if backend not in ("torch_dist", "fsdp_dtensor"):
-        raise ConvertError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint "
+    if backend not in ("torch_dist", "fsdp_dtensor", "torch_dcp"):
+        raise ConvertError(f"{path} is not a torch_dist, fsdp_dtensor or torch_dcp checkpoint "
                            f"(sharded_backend {backend!r})")
     problems = file_problems(path)
     if problems:
@@ -323,7 +331,7 @@ def saved_args(path: str):
     """The args a checkpoint was saved with."""
     from megatron.core import dist_checkpointing
 
-    if _backend(path) == "fsdp_dtensor":
+    if _backend(path) in _DCP_FORMATS.values():
         return fsdp_dtensor.saved_args(path)
     args = dist_checkpointing.load_common_state_dict(path).get("args")
     if args is None:
@@ -428,8 +436,10 @@ def open_reader(model, path: str):
     """The checkpoint's tensors for the one-rank model (which may be on the meta device): an
     object with `spec`, `names` and `read(name)`, reading as little at a time as the format
     allows."""
-    if _backend(path) == "fsdp_dtensor":
-        return fsdp_dtensor.Reader(model, path)
+    backend = _backend(path)
+    for layout, name in _DCP_FORMATS.items():
+        if backend == name:
+            return fsdp_dtensor.Reader(model, path, layout)
     return _TorchDistReader(model, path)
 
 

@@ -558,6 +558,33 @@ def test_a_torch_format_checkpoint_is_refused_with_megatrons_converter_as_the_fi
     assert torch.equal(exported["lm_head.weight"], saved["output_layer.weight"])
 
 
+def test_a_torch_fsdp2_checkpoint_exports_with_the_weights_it_saved(tmp_path):
+    """A --use-torch-fsdp2 run's --ckpt-format torch_dcp checkpoint (2 ranks, bf16, SwiGLU
+    experts) exports: every HF tensor is the one torch DCP's own reader (dcp_to_torch_save)
+    gives for it, an expert's fc1 split into its gate (w1) and up (w3) halves."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from _launch import TINY_MODEL, launch
+
+    ckpt = tmp_path / "ckpt"
+    launch(2, [*TINY_MODEL, "--use-torch-fsdp2", "--ckpt-format", "torch_dcp", "--train-iters",
+               "1", "--save", str(ckpt), "--save-interval", "1"]).check()
+    convert("export-hf", ckpt, tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    dcp_to_torch_save(ckpt / "iter_0000001", tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)["model"]
+    fc1 = saved["decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight"]
+    pairs = {"model.embed_tokens.weight": saved["embedding.word_embeddings.weight"],
+             "lm_head.weight": saved["output_layer.weight"],
+             "model.layers.1.block_sparse_moe.experts.7.w1.weight": fc1.chunk(2)[0],
+             "model.layers.1.block_sparse_moe.experts.7.w3.weight": fc1.chunk(2)[1],
+             "model.layers.1.block_sparse_moe.experts.7.w2.weight":
+                 saved["decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight"]}
+    for name, tensor in pairs.items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def test_export_keeps_the_source_models_token_ids_and_generation_config(family_conversions,
                                                                         tmp_path, capsys):
     """--config-from: the source folder's bos/eos/pad ids and generation_config.json, which the
