@@ -114,8 +114,8 @@ def _metadata(path: str) -> dict:
             from None
 
 
-def checkpoint_model_tensors(path: str, prefix: str = MODEL_PREFIX) -> dict[str,
-                                                                           TensorStorageMetadata]:
+def checkpoint_model_tensors(path: str,
+                             prefix: str = MODEL_PREFIX) -> dict[str, TensorStorageMetadata]:
     """The model tensors a torch DCP iteration folder holds under `prefix` (stripped)."""
     return {key[len(prefix):]: value for key, value in _metadata(path).items()
             if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)}
