@@ -65,8 +65,9 @@ def parser() -> argparse.ArgumentParser:
                      help="write the attention and MLP projection weights as block-wise FP8 "
                           "in blocks of this size, a float32 scale a block (DeepSeek-V3's "
                           "release format: 128,128); default: full precision")
-    to_dist = commands.add_parser("to-torch-dist", help="an fsdp_dtensor checkpoint's weights "
-                                                        "-> a torch_dist release")
+    to_dist = commands.add_parser("to-torch-dist", help="an fsdp_dtensor (or torch FSDP2's "
+                                                        "torch_dcp) checkpoint's weights -> a "
+                                                        "torch_dist release")
     to_fsdp = commands.add_parser("to-fsdp-dtensor", help="a torch_dist checkpoint's weights "
                                                           "(an import) -> an fsdp_dtensor release")
     for command in (to_dist, to_fsdp):

@@ -561,7 +561,8 @@ def test_a_torch_format_checkpoint_is_refused_with_megatrons_converter_as_the_fi
 def test_a_torch_fsdp2_checkpoint_exports_with_the_weights_it_saved(tmp_path):
     """A --use-torch-fsdp2 run's --ckpt-format torch_dcp checkpoint (2 ranks, bf16, SwiGLU
     experts) exports: every HF tensor is the one torch DCP's own reader (dcp_to_torch_save)
-    gives for it, an expert's fc1 split into its gate (w1) and up (w3) halves."""
+    gives for it, an expert's fc1 split into its gate (w1) and up (w3) halves. Its to-torch-dist
+    release (the way to another layout) exports the same tensors."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -583,6 +584,11 @@ def test_a_torch_fsdp2_checkpoint_exports_with_the_weights_it_saved(tmp_path):
                  saved["decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight"]}
     for name, tensor in pairs.items():
         assert torch.equal(exported[name], tensor), name
+    convert("to-torch-dist", ckpt, tmp_path / "release")
+    convert("export-hf", tmp_path / "release", tmp_path / "hf_of_release")
+    released = load_file(tmp_path / "hf_of_release" / "model-00001-of-00001.safetensors")
+    assert released.keys() == exported.keys()
+    assert all(torch.equal(released[name], exported[name]) for name in exported)
 
 
 def test_export_keeps_the_source_models_token_ids_and_generation_config(family_conversions,
