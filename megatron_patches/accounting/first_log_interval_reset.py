@@ -28,11 +28,11 @@ stand-ins for its args, timers and writers).
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 from megatron_patches import registry
 from megatron_patches.accounting import training_log_sandbox
+from megatron_patches.accounting.training_log_hook import wrap_training_log
 from megatron_patches.registry import Patch, PatchContext, register
 
 NAME = "first-log-interval-reset"
@@ -44,24 +44,16 @@ def _on_boundary_first(bound: inspect.BoundArguments, log_interval: int) -> bool
         bound.arguments["iteration"] % log_interval == 0
 
 
-def _apply() -> None:
+def _reset_on_a_boundary(megatron_log, bound: inspect.BoundArguments):
     from megatron.training import training
 
-    if registry.wrapped_by(training.training_log, NAME):
-        return
-    megatron_log = training.training_log
-    signature = inspect.signature(registry.unwrapped(megatron_log))
+    if _on_boundary_first(bound, training.get_args().log_interval):
+        bound.arguments["is_first_iteration"] = False  # a regular interval log: reset
+    return megatron_log(*bound.args, **bound.kwargs)
 
-    @functools.wraps(megatron_log)
-    def training_log(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if _on_boundary_first(bound, training.get_args().log_interval):
-            bound.arguments["is_first_iteration"] = False  # a regular interval log: reset
-            return megatron_log(*bound.args, **bound.kwargs)
-        return megatron_log(*args, **kwargs)
 
-    training_log.__wrapped_by__ = NAME
-    training.training_log = training_log
+def _apply() -> None:
+    wrap_training_log(NAME, _reset_on_a_boundary)
 
 
 def _keeps_first_boundary_iteration(megatron_log) -> bool:

@@ -20,13 +20,13 @@ loss summed before, prints that loss (the probe runs it with stand-ins, training
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
 from megatron_patches import registry
 from megatron_patches.accounting import training_log_sandbox
+from megatron_patches.accounting.training_log_hook import wrap_training_log
 from megatron_patches.registry import Patch, PatchContext, register
 
 NAME = "skipped-interval-loss-line"
@@ -42,28 +42,21 @@ def _prints_without_a_step(bound: inspect.BoundArguments, log_interval: int) -> 
             and sums.get(_COUNTS[0], 0) == 0)
 
 
-def _apply() -> None:
+def _without_losses_where_nothing_stepped(megatron_log, bound: inspect.BoundArguments):
     from megatron.training import training
 
-    if registry.wrapped_by(training.training_log, NAME):
-        return
-    megatron_log = training.training_log
-    signature = inspect.signature(registry.unwrapped(megatron_log))
+    if not _prints_without_a_step(bound, training.get_args().log_interval):
+        return megatron_log(*bound.args, **bound.kwargs)
+    sums = bound.arguments["total_loss_dict"]
+    losses = {key: sums.pop(key) for key in list(sums) if key not in _COUNTS}
+    try:
+        return megatron_log(*bound.args, **bound.kwargs)
+    finally:
+        sums.update(losses)
 
-    @functools.wraps(megatron_log)
-    def training_log(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        if not _prints_without_a_step(bound, training.get_args().log_interval):
-            return megatron_log(*args, **kwargs)
-        sums = bound.arguments["total_loss_dict"]
-        losses = {key: sums.pop(key) for key in list(sums) if key not in _COUNTS}
-        try:
-            return megatron_log(*args, **kwargs)
-        finally:
-            sums.update(losses)
 
-    training_log.__wrapped_by__ = NAME
-    training.training_log = training_log
+def _apply() -> None:
+    wrap_training_log(NAME, _without_losses_where_nothing_stepped)
 
 
 def _prints_a_loss_for_a_skipped_interval(megatron_log) -> bool:

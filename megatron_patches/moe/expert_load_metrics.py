@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from moe_launcher.runtime import collectives
+from megatron_patches.accounting.training_log_hook import wrap_training_log
 from megatron_patches.moe.expert_bias_counts_routed_tokens import routed_before_capacity
 from megatron_patches.registry import Patch, PatchContext, register
 
@@ -217,19 +218,15 @@ def _apply() -> None:
     routing_and_counting.__wrapped_by__ = NAME
     TopKRouter.routing = routing_and_counting
 
-    training_log = training.training_log
-
-    @functools.wraps(training_log)
-    def training_log_with_expert_load(*args, **kwargs):
-        result = training_log(*args, **kwargs)
-        megatron_args = training.get_args()
-        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+    def with_expert_load(megatron_log, bound):
+        result = megatron_log(*bound.args, **bound.kwargs)
+        megatron_args, iteration = training.get_args(), bound.arguments["iteration"]
         if megatron_args.num_experts and iteration % megatron_args.log_interval == 0:
             report(iteration, megatron_args, training.get_tensorboard_writer(),
                    training.get_wandb_writer(), training.print_rank_last)
         return result
 
-    training.training_log = training_log_with_expert_load
+    wrap_training_log(NAME, with_expert_load)
 
 
 def _not_needed_because(context: PatchContext) -> str | None:
