@@ -43,7 +43,7 @@ def _uses_torch_adam(optimizer) -> bool:
 
 def create_adam_state(adam: torch.optim.Optimizer) -> None:
     """Creates the state torch's Adam creates at its first step, for parameters that lack it
-    (also plain-optimizer-save-before-first-step's, before a save)."""
+    (also create_first_step_state's)."""
     for group in adam.param_groups:
         for param in group["params"]:
             state = adam.state[param]
@@ -53,6 +53,18 @@ def create_adam_state(adam: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 if group.get("amsgrad"):
                     state["max_exp_avg_sq"] = torch.zeros_like(param)
+
+
+def create_first_step_state(optimizer) -> None:
+    """For a megatron optimizer (Float16/FP32Optimizer), the state its inner optimizer's first
+    step makes, for parameters that lack it: torch Adam's own (its step too, which megatron's
+    init_state_fn leaves out), else what megatron's init_state_fn makes (nothing without one:
+    SGD). Used before saves and as load templates by the plain optimizer's patches."""
+    inner = optimizer.optimizer
+    if isinstance(inner, TORCH_ADAM):
+        create_adam_state(inner)
+    elif getattr(optimizer, "init_state_fn", None) is not None:
+        optimizer.init_state_fn(inner, optimizer.config)
 
 
 def _unshare_steps(adam: torch.optim.Optimizer) -> None:

@@ -28,7 +28,8 @@ import inspect
 
 import torch
 
-from megatron_patches.checkpointing.distopt_torch_adam_resume import TORCH_ADAM, create_adam_state
+from megatron_patches.checkpointing.distopt_torch_adam_resume import (
+    TORCH_ADAM, create_first_step_state)
 from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "plain-optimizer-save-before-first-step"
@@ -74,10 +75,7 @@ def _apply() -> None:
             # copy the first gradient into its momentum buffer: not made here).
             if not is_loading and self.config.optimizer == "adam" and any(
                     not inner.state.get(param) for param in _params(inner)):
-                if isinstance(inner, TORCH_ADAM):
-                    create_adam_state(inner)  # its step too, which init_state_fn leaves out
-                else:
-                    self.init_state_fn(inner, self.config)
+                create_first_step_state(self)
             return _original(self, *args, **kwargs)
 
         def load_with_step(self, state_dict, _original=load_state_dict):

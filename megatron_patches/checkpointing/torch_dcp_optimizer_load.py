@@ -12,8 +12,8 @@ The template must hold every state entry the checkpoint holds, or the load leave
 torch's own Adam (no Transformer Engine or apex) that includes `step`, which megatron's
 `init_state_fn` does not make; without it Adam's bias correction restarted at 0 and the resume
 trained on other losses from its second step. So a chain's template is each optimizer's with
-the state its first step would make (torch Adam: distopt-torch-adam-resume's create_adam_state;
-otherwise the optimizer's own `state_dict(is_loading=True)`, or its `init_state_fn`).
+the state its first step would make (distopt-torch-adam-resume's create_first_step_state: torch
+Adam's own, else megatron's `init_state_fn`'s, as `state_dict(is_loading=True)` makes it).
 
 Needed while megatron's ChainedOptimizer.state_dict takes no `is_loading` (judged from its
 signature).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from megatron_patches.checkpointing.distopt_torch_adam_resume import TORCH_ADAM, create_adam_state
+from megatron_patches.checkpointing.distopt_torch_adam_resume import create_first_step_state
 from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "torch-dcp-optimizer-load"
@@ -38,13 +38,7 @@ def _chained_optimizer() -> type:
 
 def _template(optimizer) -> dict:
     """One chained optimizer's state dict as a load's template: the state its first step makes."""
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, TORCH_ADAM):
-        create_adam_state(inner)  # its step too, which init_state_fn leaves out
-    if "is_loading" in inspect.signature(optimizer.state_dict).parameters:
-        return optimizer.state_dict(is_loading=True)
-    if getattr(optimizer, "init_state_fn", None) is not None and inner is not None:
-        optimizer.init_state_fn(inner, optimizer.config)
+    create_first_step_state(optimizer)
     return optimizer.state_dict()
 
 
