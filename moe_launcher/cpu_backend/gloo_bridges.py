@@ -1,10 +1,11 @@
 """What gloo and CPU tensors lack and megatron asks for: uneven all-gathers and reduce-scatters
-(MoE token chunks), split sizes as host lists, DeviceMeshes on "cpu", and PREMUL_SUM.
-Each bridge gives the result NCCL would give on a GPU.
+(MoE token chunks), split sizes as host lists, DeviceMeshes on "cpu", PREMUL_SUM, and parameter
+all-gathers that are done when they return. Each bridge gives the result NCCL would give on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -83,6 +84,32 @@ def _scaling_without_premul_sum(gradient_reduce_preprocessing):
     return preprocess
 
 
+def _gathers_done_on_return(coalescing_manager):
+    """Megatron-FSDP's asynchronous parameter all-gathers, done before the call returns.
+
+    Megatron-FSDP (megatron-core 0.19.2) issues each step's parameter all-gathers as one
+    coalesced asynchronous collective and waits on it only when a module needs the weights, so
+    that NCCL gathers the next module's weights while the GPU computes the current one. gloo runs
+    such a collective's tensor work (flattening the shards, copying into the bucket) on its own
+    worker threads, beside the rank's Python thread; bf16 Megatron-FSDP training on 2 CPU ranks
+    then died of a corrupted heap (glibc: "malloc(): unaligned tcache chunk detected", "free():
+    invalid pointer") anywhere in the step: 5 of 45 runs of 40 iterations, against 0 of 53 with
+    the gathers done on return (this wait, or megatron's own async_param_gather=False). A probe
+    that watched every main-thread op while a gather was pending found none touching its buckets
+    or shards, so megatron waits where NCCL needs it to; what corrupts the heap is the overlap on
+    gloo's threads, which the CPU has no use for. The gathers, buckets and waits stay megatron's:
+    only the wait comes first."""
+
+    @contextlib.contextmanager
+    def coalesced_then_waited(group=None, device=None, async_ops=False):
+        with coalescing_manager(group, device=device, async_ops=async_ops) as manager:
+            yield manager
+        if async_ops:
+            manager.wait()
+
+    return coalesced_then_waited
+
+
 def patch_megatron_fsdp() -> None:
     """Bridges between what Megatron-FSDP asks of its process groups and what gloo does."""
     try:
@@ -90,6 +117,7 @@ def patch_megatron_fsdp() -> None:
     except ImportError:
         return  # no Megatron-FSDP in this megatron-core
     buffers = param_and_grad_buffer
+    buffers._coalescing_manager = _gathers_done_on_return(buffers._coalescing_manager)
     if hasattr(buffers, "gradient_reduce_preprocessing"):
         buffers.gradient_reduce_preprocessing = _scaling_without_premul_sum(
             buffers.gradient_reduce_preprocessing)
