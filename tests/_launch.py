@@ -188,6 +188,21 @@ def _kill_group(proc) -> None:
     proc.wait(30)
 
 
+# How faulthandler (pretrain_moe.py) starts its report of a rank killed by a signal.
+FATAL = "Fatal Python error"
+
+# For each launch of the running test that a signal killed: what its ranks printed just before
+# the report (glibc's message, the last iterations). A test's own message often quotes only the
+# log's tail, which the report's thread stacks fill; tests/conftest.py adds these to the failure.
+fatal_reports: list[str] = []
+
+
+def _note_fatal(log: str) -> None:
+    fatal = log.find(FATAL)
+    if fatal >= 0:
+        fatal_reports.append(log[max(0, fatal - 1500):fatal + 200])
+
+
 @dataclasses.dataclass
 class Run:
     returncode: int
@@ -200,7 +215,7 @@ class Run:
     def failure(self) -> str:
         """The log's tail, and where a rank died of a signal (pretrain_moe.py's faulthandler
         report, whose thread stacks push the cause out of the tail) what it printed first."""
-        fatal = self.log.find("Fatal Python error")
+        fatal = self.log.find(FATAL)
         if fatal < 0 or fatal >= len(self.log) - 6000:
             return self.log[-6000:]
         return f"{self.log[max(0, fatal - 1500):fatal + 3000]}\n[...]\n{self.log[-3000:]}"
@@ -275,7 +290,9 @@ class LiveRun:
             raise AssertionError(f"run did not stop within {timeout}s:\n{self.log()[-4000:]}")
         self.stop()
         self.reader.join(10)
-        return self.log()
+        log = self.log()
+        _note_fatal(log)
+        return log
 
     def stop(self) -> None:
         """Kills what is left of the run."""

@@ -60,6 +60,26 @@ def node_shim(tmp_path_factory) -> Path:
     return library
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures launch anything."""
+    import _launch
+
+    _launch.fatal_reports.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test (or fixture) whose launches a signal killed gets what each printed before
+    its faulthandler report (tests/_launch.py: fatal_reports) as a section of its report."""
+    import _launch
+
+    report = (yield).get_result()
+    if report.failed and _launch.fatal_reports:
+        report.sections.append(("ranks killed by a signal: what they printed first",
+                                "\n[...]\n".join(_launch.fatal_reports)))
+
+
 def pytest_terminal_summary(terminalreporter):
     """How many launches the rank server forked, and which it could not (tests/_launch.py)."""
     import _launch
