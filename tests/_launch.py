@@ -197,10 +197,16 @@ FATAL = "Fatal Python error"
 fatal_reports: list[str] = []
 
 
+def _from_before(log: str, fatal: int, after: int) -> str:
+    """The log around a faulthandler report starting at `fatal`: what the ranks printed just
+    before it, and `after` characters of it."""
+    return log[max(0, fatal - 1500):fatal + after]
+
+
 def _note_fatal(log: str) -> None:
     fatal = log.find(FATAL)
     if fatal >= 0:
-        fatal_reports.append(log[max(0, fatal - 1500):fatal + 200])
+        fatal_reports.append(_from_before(log, fatal, 200))
 
 
 @dataclasses.dataclass
@@ -218,7 +224,7 @@ class Run:
         fatal = self.log.find(FATAL)
         if fatal < 0 or fatal >= len(self.log) - 6000:
             return self.log[-6000:]
-        return f"{self.log[max(0, fatal - 1500):fatal + 3000]}\n[...]\n{self.log[-3000:]}"
+        return f"{_from_before(self.log, fatal, 3000)}\n[...]\n{self.log[-3000:]}"
 
     @property
     def exit_codes(self) -> list[int]:
