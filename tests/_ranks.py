@@ -7,10 +7,9 @@ but forks the ranks from a process that has already imported torch and megatron.
 Every rank is still its own process with its own gloo process groups and the environment torchrun
 gives it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*), and runs the script as
 __main__, exactly as `python SCRIPT ARGS` would in a torchrun rank. What the fork saves is the
-import of torch and megatron: ~9 s of CPU per rank on a CI machine, most of the suite's time. Two
-more costs every launch would pay per rank are paid once too: transformers (megatron's tokenizer
-builder imports it, even for the NullTokenizer) and the spawn of megatron's write-results manager
-at the first torch_dist save (see _start_write_results_queue).
+import of torch and megatron: ~9 s of CPU per rank on a CI machine, most of the suite's time. One
+more cost every launch would pay per rank is paid once too: transformers (megatron's tokenizer
+builder imports it, even for the NullTokenizer).
 
 Where there is no CUDA the CPU backend is activated before megatron is imported, as
 pretrain_moe.py and every test worker do first (activate() is idempotent; it must precede
@@ -45,11 +44,9 @@ import json
 import os
 import runpy
 import selectors
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -81,26 +78,6 @@ def _preload() -> None:
     gc.freeze()
 
 
-def _start_write_results_queue(socket_dir: str) -> None:
-    """megatron's torch_dist writer (FileSystemWriterAsync) sends each save's results through a
-    multiprocessing Manager queue that it starts at a process's first save with 'spawn': a new
-    interpreter that imports the rank's __main__ (pretrain_moe.py: torch, the launcher) before
-    it serves, 3-6 s of every launch that saves, with the ranks' spawns competing for 2 cores.
-    A rank forked here starts that queue's manager by fork instead, before it runs anything (it
-    has one thread then); megatron then uses it as its own. What goes through it is the same;
-    launches under torchrun keep megatron's spawn. Its socket lives in the launcher's socket_dir:
-    a manager's own temporary folder outlives it when its rank is killed."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    manager = SyncManager(address=os.path.join(socket_dir, f"manager-{os.getpid()}"),
-                          ctx=multiprocessing.get_context("fork"))
-    manager.start(_die_with_parent)  # a rank killed outright takes it along
-    filesystem_async._results_queue = manager.Queue()  # the queue keeps its manager
-
-
 def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -124,7 +101,7 @@ def _rank_environment(rank: int, nproc: int, port: int, run_id: str) -> dict[str
             "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _fork_ranks(nproc: int, socket_dir: str) -> tuple[int | None, dict[int, int], list[int]]:
+def _fork_ranks(nproc: int) -> tuple[int | None, dict[int, int], list[int]]:
     """(this process's rank, or None in the launcher; pid -> rank; the port pipes' write ends)."""
     pids, writers = {}, []
     for rank in range(nproc):
@@ -139,7 +116,6 @@ def _fork_ranks(nproc: int, socket_dir: str) -> tuple[int | None, dict[int, int]
             os.environ.update(_rank_environment(rank, nproc, int(port), run_id))
             if cores := os.environ.get(CPU_AFFINITY):  # LiveRun(cores=...): the bench's one core
                 os.sched_setaffinity(0, {int(core) for core in cores.split(",")})
-            _start_write_results_queue(socket_dir)
             return rank, {}, []
         os.close(read_end)
         pids[pid] = rank
@@ -170,12 +146,9 @@ def _supervise(pids: dict[int, int]) -> int:
     return 0 if first_failure is None else first_failure if first_failure > 0 else 1
 
 
-def _launch(nproc: int, parent_dir: str | None) -> int | None:
-    """Forks the ranks: None in a rank (which then runs the script), the exit status here. The
-    ranks' sockets go in a folder under parent_dir (served: the server's, removed with it; a
-    launcher killed outright cannot remove its own)."""
-    socket_dir = tempfile.mkdtemp(prefix="ranks-launch-", dir=parent_dir)
-    rank, pids, writers = _fork_ranks(nproc, socket_dir)
+def _launch(nproc: int) -> int | None:
+    """Forks the ranks: None in a rank (which then runs the script), the exit status here."""
+    rank, pids, writers = _fork_ranks(nproc)
     if rank is not None:
         return None
     from torch.distributed import TCPStore
@@ -188,9 +161,7 @@ def _launch(nproc: int, parent_dir: str | None) -> int | None:
     forward = lambda signum, _frame: [os.kill(pid, signum) for pid in pids]  # noqa: E731
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    status = _supervise(pids)
-    shutil.rmtree(socket_dir, ignore_errors=True)  # every rank, so every manager, is gone
-    return status
+    return _supervise(pids)
 
 
 def _serve(path: str) -> list[str]:
@@ -239,9 +210,8 @@ def _serve(path: str) -> list[str]:
 def main() -> int | None:
     """The launcher's exit status, or None in a rank, with sys.argv set for the script."""
     _preload()
-    serving = sys.argv[1] == "--serve"
-    command = _serve(sys.argv[2]) if serving else sys.argv[1:]
-    status = _launch(int(command[0]), os.path.dirname(sys.argv[2]) if serving else None)
+    command = _serve(sys.argv[2]) if sys.argv[1] == "--serve" else sys.argv[1:]
+    status = _launch(int(command[0]))
     if status is None:
         sys.argv = command[1:]
         sys.path[0] = os.path.dirname(os.path.abspath(command[1]))
