@@ -189,6 +189,7 @@ PATCH_MODULES = (
     "megatron_patches.checkpointing.scheduler_resume_weight_decay",
     "megatron_patches.checkpointing.exit_signal_one_sync",
     "megatron_patches.checkpointing.sync_save_thread_results_queue",
+    "megatron_patches.checkpointing.sync_save_no_async_deprecation",
     "megatron_patches.moe.global_aux_loss_dp_scale",
     "megatron_patches.checkpointing.expert_rng_per_ep_rank",
     "megatron_patches.fsdp.fsdp_dtensor_rng_per_tp_rank",

@@ -1,7 +1,7 @@
 """pretrain_moe.py that prints, on every rank once training (and its saves) is done, the child
 processes this rank has left running, by multiprocessing's names:
 `rank <r>: child processes after training: <names, or none>` (run by
-test_sync_save_results_queue_cpu.py)."""
+test_sync_save_cpu.py)."""
 
 import multiprocessing
 import os

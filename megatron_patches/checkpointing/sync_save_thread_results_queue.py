@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import queue
 
-from megatron_patches.registry import Patch, PatchContext, register, unwrapped
+from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
 
 NAME = "sync-save-thread-results-queue"
 
@@ -46,7 +46,7 @@ def _apply() -> None:
     filesystem_async, torch_strategy = _modules()
     strategy = torch_strategy.TorchDistSaveShardedStrategy
     save = strategy.save
-    if getattr(save, "__wrapped_by__", None) == NAME:
+    if wrapped_by(save, NAME):  # the other sync-save patch may have wrapped it since
         return
 
     @functools.wraps(save)
