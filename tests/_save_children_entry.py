@@ -1,8 +1,9 @@
 """pretrain_moe.py that prints, on every rank once training (and its saves) is done, the child
-processes this rank has left running, by multiprocessing's names:
-`rank <r>: child processes after training: <names, or none>` (run by
-test_sync_save_cpu.py)."""
+processes this rank has left running, by multiprocessing's names, as one JSON object:
+`save-children {"rank": <r>, "children": [<names>]}` (run by test_sync_save_cpu.py; the ranks
+share one pipe, so a rank's object may land inside another's line)."""
 
+import json
 import multiprocessing
 import os
 import sys
@@ -15,5 +16,5 @@ import pretrain_moe  # noqa: E402
 if __name__ == "__main__":
     pretrain_moe.main(sys.argv[1:])
     names = sorted(process.name for process in multiprocessing.active_children())
-    print(f"rank {os.environ['RANK']}: child processes after training: "
-          f"{', '.join(names) or 'none'}", flush=True)
+    print("save-children " + json.dumps({"rank": int(os.environ["RANK"]), "children": names}),
+          flush=True)

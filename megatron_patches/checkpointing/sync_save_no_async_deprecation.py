@@ -16,45 +16,22 @@ of a GPU job (1,024 at 1,024 ranks). During `TorchDistSaveShardedStrategy.save` 
 
 from __future__ import annotations
 
-import functools
-
-from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
+from megatron_patches.checkpointing.sync_save_scope import hold_during_sync_save, strategy_module
+from megatron_patches.registry import Patch, PatchContext, register, unwrapped
 
 NAME = "sync-save-no-async-deprecation"
 FLAG = "_logged_mcore_async_deprecation"
 
 
-def _strategy_module():
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
-
-    return torch_strategy
-
-
 def _apply() -> None:
-    torch_strategy = _strategy_module()
-    strategy = torch_strategy.TorchDistSaveShardedStrategy
-    save = strategy.save
-    if wrapped_by(save, NAME):  # the other sync-save patch may have wrapped it since
-        return
-
-    @functools.wraps(save)
-    def save_without_async_warning(self, sharded_state_dict, checkpoint_dir):
-        if getattr(torch_strategy, FLAG):
-            return save(self, sharded_state_dict, checkpoint_dir)
-        setattr(torch_strategy, FLAG, True)
-        try:
-            return save(self, sharded_state_dict, checkpoint_dir)
-        finally:
-            setattr(torch_strategy, FLAG, False)
-
-    save_without_async_warning.__wrapped_by__ = NAME
-    strategy.save = save_without_async_warning
+    # Megatron's "already warned" flag reads as set during a synchronous save.
+    hold_during_sync_save(NAME, strategy_module(), FLAG, False, lambda: True)
 
 
 def _not_needed_because(context: PatchContext) -> str | None:
     # What megatron's code says: the synchronous save goes through async_save with "mcore", and
     # async_save reads a once-per-process flag before it warns.
-    torch_strategy = _strategy_module()
+    torch_strategy = strategy_module()
     strategy = torch_strategy.TorchDistSaveShardedStrategy
     save = unwrapped(strategy.save).__code__
     if "async_save" not in save.co_names or "mcore" not in save.co_consts:

@@ -27,47 +27,30 @@ its Manager as before.
 
 from __future__ import annotations
 
-import functools
 import queue
 
-from megatron_patches.registry import Patch, PatchContext, register, unwrapped, wrapped_by
+from megatron_patches.checkpointing.sync_save_scope import hold_during_sync_save, strategy_module
+from megatron_patches.registry import Patch, PatchContext, register, unwrapped
 
 NAME = "sync-save-thread-results-queue"
 
 
-def _modules():
+def _writer_module():
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
-    return filesystem_async, torch_strategy
+    return filesystem_async
 
 
 def _apply() -> None:
-    filesystem_async, torch_strategy = _modules()
-    strategy = torch_strategy.TorchDistSaveShardedStrategy
-    save = strategy.save
-    if wrapped_by(save, NAME):  # the other sync-save patch may have wrapped it since
-        return
-
-    @functools.wraps(save)
-    def save_with_results_in_process(self, sharded_state_dict, checkpoint_dir):
-        if filesystem_async._results_queue is not None:
-            return save(self, sharded_state_dict, checkpoint_dir)
-        # Read by get_write_results_queue() when the writer prepares this save's buckets.
-        filesystem_async._results_queue = queue.Queue()
-        try:
-            return save(self, sharded_state_dict, checkpoint_dir)
-        finally:
-            filesystem_async._results_queue = None
-
-    save_with_results_in_process.__wrapped_by__ = NAME
-    strategy.save = save_with_results_in_process
+    # A queue of the save's own, read by get_write_results_queue() when the writer prepares the
+    # save's buckets; a Manager queue megatron already made is used as before.
+    hold_during_sync_save(NAME, _writer_module(), "_results_queue", None, queue.Queue)
 
 
 def _not_needed_because(context: PatchContext) -> str | None:
     # What megatron's code calls tells whether a save starts a Manager: the writer takes its
     # queue from get_write_results_queue, which makes a Manager's queue once per process.
-    filesystem_async, torch_strategy = _modules()
+    filesystem_async, torch_strategy = _writer_module(), strategy_module()
     writer = unwrapped(filesystem_async.FileSystemWriterAsync.prepare_write_data)
     if "get_write_results_queue" not in writer.__code__.co_names:
         return "FileSystemWriterAsync.prepare_write_data takes no get_write_results_queue()"

@@ -11,6 +11,7 @@ different things, a queue and a log flag), and both applied.
   async save is deprecated" in a run that makes no asynchronous save; patched, no rank does."""
 
 import argparse
+import json
 import re
 
 import numpy as np
@@ -55,9 +56,9 @@ def runs(tmp_path_factory) -> dict:
         status = "skipped (disabled" if disable else "applied ("
         for name in (QUEUE, WARNING):
             assert f"[megatron_patches] {name}: {status}" in run.log
-        children = dict(re.findall(r"^rank (\d): child processes after training: (.*)$",
-                                   run.log, re.M))
-        assert sorted(children) == ["0", "1"], run.log[-4000:]
+        children = {line["rank"]: " ".join(line["children"]) for line in map(
+            json.loads, re.findall(r"save-children (\{[^{}]*\})", run.log))}
+        assert sorted(children) == [0, 1], run.log[-4000:]
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
         dcp_to_torch_save(ckpt / "iter_0000002", tmp_path / f"{mode}.pt")
         saved = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
