@@ -13,8 +13,9 @@ asynchronous machinery with `execute_sync`), collects what its writer threads wr
 queue. The queue is a process-wide cache, so the first save of every rank starts a Manager server:
 a fresh interpreter that imports the rank's `__main__` (pretrain_moe.py: torch and the launcher)
 before it serves. It then stays for the whole job. Measured on the tiny CPU recipe (4 ranks on 2
-cores): the first save 6.9-8.7 s where the later ones take 0.4-0.8 s, and each Manager holds
-460-565 MB resident, one per rank (8 GPUs per node: about 4 GB of the node's memory).
+cores): the first save 4.9-8.7 s where the later ones take 0.4-0.8 s (0.4-0.5 s patched), and
+each Manager holds 460-565 MB resident, one per rank (at that size, 8 ranks per node hold about
+4 GB of the node's memory).
 
 A synchronous save writes and reads its results in the rank's own process: the writer threads
 put them, the same thread that started them reads them after joining them. So during
