@@ -23,9 +23,7 @@ imported once), as tests/bench/test_first_save_bench.py runs it. Ends with
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -34,16 +32,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from _launch import REPO, TINY_MODEL, launch  # noqa: E402
+from _save_children_entry import saved_children  # noqa: E402
+from timing import SAVE_TIMER  # noqa: E402
 
 PATCH = "sync-save-thread-results-queue"
 ENTRY = REPO / "tests" / "_save_children_entry.py"
-_SAVE_TIMER = re.compile(r"save-checkpoint \.+: \(([\d.]+), ([\d.]+)\)")
-_CHILDREN = re.compile(r"save-children (\{[^{}]*\})")
 
 
 def one_run(work: str, mode: str, nproc: int, torchrun: bool) -> dict:
     """A run's first and second save (ms, the slowest rank) and the memory its ranks' children
-    hold after training (MB, summed over the ranks)."""
+    hold after training (MB, a rank's average)."""
     with tempfile.TemporaryDirectory(dir=work) as ckpt:
         run = launch(nproc, [*TINY_MODEL, "--use-distributed-optimizer", "--train-iters", "4",
                              "--save-interval", "2", "--save", ckpt],
@@ -51,8 +49,8 @@ def one_run(work: str, mode: str, nproc: int, torchrun: bool) -> dict:
                      script=ENTRY, torchrun=torchrun, timeout=600)
     if run.returncode != 0:
         sys.exit(f"first_save_bench: the {mode} run failed:\n{run.log[-3000:]}")
-    saves = [float(slowest) for _, slowest in _SAVE_TIMER.findall(run.log)]
-    ranks = [json.loads(found) for found in _CHILDREN.findall(run.log)]
+    saves = [float(slowest) for _, slowest in SAVE_TIMER.findall(run.log)]
+    ranks = saved_children(run.log)
     if len(saves) != 2 or len(ranks) != nproc:
         sys.exit(f"first_save_bench: the {mode} run logged {len(saves)} saves and {len(ranks)} "
                  f"ranks' children, not 2 and {nproc}:\n{run.log[-3000:]}")

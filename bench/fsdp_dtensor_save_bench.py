@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from _launch import REPO, launch, tiny_model  # noqa: E402
+from timing import SAVE_TIMER  # noqa: E402
 
 PATCH = "fsdp-dtensor-batched-chunk-metadata"
-_SAVE_TIMER = re.compile(r"save-checkpoint \.+: \(([\d.]+), ([\d.]+)\)")
 
 
 def arguments(experts: int, save: Path) -> list[str]:
@@ -57,7 +56,7 @@ def one_save(directory: Path, experts: int, patched: bool) -> dict:
     differ = [key for rank in ranks for key in rank["differ"]]
     if len(ranks) != 4 or differ:
         raise SystemExit(f"fsdp_dtensor_save_bench: chunks differ from megatron's: {differ[:5]}")
-    save_ms = max(float(found.group(2)) for found in _SAVE_TIMER.finditer(log))
+    save_ms = max(float(found.group(2)) for found in SAVE_TIMER.finditer(log))
     return {"preprocess": max(rank["seconds"] for rank in ranks), "save": save_ms / 1000,
             "collectives": sum(ranks[0]["collectives"].values()), "dtensors": ranks[0]["dtensors"]}
 

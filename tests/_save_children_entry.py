@@ -8,12 +8,18 @@ may land inside another's line)."""
 import json
 import multiprocessing
 import os
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pretrain_moe  # noqa: E402
+
+
+def saved_children(log: str) -> list[dict]:
+    """Every rank's object from a run's log, wherever it landed."""
+    return [json.loads(found) for found in re.findall(r"save-children (\{[^{}]*\})", log)]
 
 
 def resident_mb(pid: int) -> float:

@@ -11,8 +11,6 @@ different things, a queue and a log flag), and both applied.
   async save is deprecated" in a run that makes no asynchronous save; patched, no rank does."""
 
 import argparse
-import json
-import re
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from _launch import REPO, TINY_MODEL, launch
+from _save_children_entry import saved_children
 
 QUEUE = "sync-save-thread-results-queue"
 WARNING = "sync-save-no-async-deprecation"
@@ -56,8 +55,8 @@ def runs(tmp_path_factory) -> dict:
         status = "skipped (disabled" if disable else "applied ("
         for name in (QUEUE, WARNING):
             assert f"[megatron_patches] {name}: {status}" in run.log
-        children = {line["rank"]: " ".join(line["children"]) for line in map(
-            json.loads, re.findall(r"save-children (\{[^{}]*\})", run.log))}
+        children = {line["rank"]: " ".join(line["children"])
+                    for line in saved_children(run.log)}
         assert sorted(children) == [0, 1], run.log[-4000:]
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
         dcp_to_torch_save(ckpt / "iter_0000002", tmp_path / f"{mode}.pt")
