@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import io
 import logging
 import os
@@ -41,6 +42,10 @@ class Patch:
     not_needed_because: Callable[[PatchContext], str | None]
     apply: Callable[[], None]
     requires: tuple[str, ...] = ()  # patches registered before this one that it works through
+    # megatron packages beyond megatron.core that the patch hooks or reads (megatron.training):
+    # where one is not installed (megatron-core 0.15.x wheels ship without megatron.training)
+    # the patch is skipped, saying so, before its probe runs.
+    packages: tuple[str, ...] = ()
     # State the patch keeps for the patches that require it (e.g. layer-census's model record),
     # read through `record_of`: one object, registered, instead of a module global.
     record: object = None
@@ -110,6 +115,9 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         elif context.megatron_version not in SpecifierSet(patch.versions):
             status = PatchStatus(patch.name, False, f"targets megatron-core {patch.versions}, "
                                  f"running {context.megatron_version}")
+        elif missing := [name for name in patch.packages if not _installed(name)]:
+            status = PatchStatus(patch.name, False, f"{missing[0]} is not installed (megatron-core "
+                                 f"{context.megatron_version} ships without it)")
         elif (reason := _probed(patch, context)) is not None:
             status = PatchStatus(patch.name, False, reason)
         else:
@@ -118,6 +126,13 @@ def apply_patches(context: PatchContext) -> list[PatchStatus]:
         _APPLIED[patch.name] = status
         statuses.append(status)
     return statuses
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def _probed(patch: Patch, context: PatchContext) -> str | None:

@@ -125,6 +125,7 @@ PATCH = register(Patch(
     upstream="local (megatron-core 0.19.2 training/theoretical_memory_usage.py: Korthikanti et "
              "al.'s dense formulas, no experts, recompute, MLA or MTP)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="the log's `Theoretical memory footprints` prices activations on the layers built "
             "(experts' top-k tokens, MLA, MTP, recompute, the pipeline schedule's micro-batches "
             "in flight) with the dry run's model, for the pipeline stage holding the most "

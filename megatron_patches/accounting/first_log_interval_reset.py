@@ -82,6 +82,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="NVIDIA/Megatron-LM#6237 (PR #7092, after 0.19)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a process's first log on a --log-interval boundary resets megatron's loss sums, "
             "iteration counts and timers (megatron.training.training.training_log), so the "
             "next line is its own interval's, not the mean with the first iteration",

@@ -306,6 +306,7 @@ register(Patch(
     name=NAME,
     upstream="NVIDIA/Megatron-LM#1778",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="replaces megatron.training.training.num_floating_point_operations with FLOPs of the "
             "layers built (router, shared-expert gate, capacity factor, MLA, MTP), GPT and "
             "HybridModel",

@@ -57,6 +57,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream=layer_layout.UPSTREAM,
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="records the model built (layers per pipeline stage, parameter sharding) after "
             "megatron.training.training.setup_model_and_optimizer and refuses layers that "
             "differ from the flags",

@@ -56,6 +56,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream=UPSTREAM,
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="refuses --decoder-first/last-pipeline-num-layers splits that megatron misplaces, "
             "before megatron.training.arguments.validate_args",
     not_needed_because=_validation_not_needed,

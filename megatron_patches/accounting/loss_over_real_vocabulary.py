@@ -101,6 +101,7 @@ register(Patch(
     upstream="megatron-core 0.19.2 LanguageModule.compute_language_model_loss (softmax over "
              "the padded vocabulary)",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="the logits of padded vocabulary rows (ids past --vocab-size / the tokenizer) are "
             "masked before megatron's cross-entropy: the loss is over the real vocabulary",
     not_needed_because=_not_needed_because,

@@ -66,6 +66,7 @@ PATCH = register(Patch(
     upstream="local (megatron-core 0.19.2 training/training.py's logging.basicConfig, "
              "pre-empted by absl's when emerging-optimizers is installed)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="megatron's log handler and INFO level on the root logger, which absl's "
             "logging.basicConfig() took first (emerging-optimizers' import): megatron's INFO "
             "records were dropped",

@@ -158,6 +158,7 @@ register(Patch(
     name=NAME,
     upstream="local",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="appends MFU (TFLOP/s/GPU over the device's dense bf16 peak) to the iteration log "
             "via megatron.training.training.print_rank_last, and to tensorboard/wandb; prints "
             "a throughput below 10 TFLOP/s/GPU with three significant digits, not 0.0",

@@ -104,6 +104,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="local (megatron-core 0.19.2 training.training_log: \"aux_loss\" in the type string)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a seq_aux_loss or global_aux_loss run no longer reports a load_balancing_loss of 0 "
             "(megatron.training.training.training_log's MoE metrics tracker reports the losses "
             "of the run's own types)",

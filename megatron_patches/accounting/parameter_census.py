@@ -111,6 +111,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="NVIDIA/Megatron-LM#1778",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="parameter totals and weight+optimizer memory counted on the model built, per rank "
             "(megatron.training.theoretical_memory_usage.compute_weight_and_optimizer_memory)",
     not_needed_because=lambda context: None,  # megatron's estimate never sees the built model

@@ -96,6 +96,7 @@ PATCH = register(Patch(
     upstream="local (megatron-core 0.19.2 training_log: the sum over no stepped iteration "
              "divided by max(1, 0))",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a log line whose interval stepped no iteration (fp16 overflow skips) prints no "
             "losses instead of a loss of 0 for each (TensorBoard/wandb get each iteration's "
             "own loss as before)",

@@ -96,6 +96,7 @@ PATCH = register(Patch(
              "prepare_existing_model_chunks_for_distributed_training: no .cuda() with "
              "use_cpu_initialization, which training.get_model moves)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a model made with --use-cpu-initialization is moved to the GPU, as megatron's "
             "get_model moves it, instead of training from the CPU (a device error at the first "
             "forward on every rank)",

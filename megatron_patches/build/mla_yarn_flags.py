@@ -84,6 +84,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="local (megatron-core's args-to-MLA-config mapping; cf. Megatron-LM #1418)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="--yarn-beta-fast, --yarn-beta-slow and --yarn-original-max-position-embeddings "
             "set multi-latent attention's YaRN (megatron dropped them for MLA, silently, keeping "
             "32, 1 and 4096)",

@@ -431,6 +431,7 @@ register(Patch(
     upstream="Megatron-LM save_checkpoint TODO 'Handle non-empty directories (e.g., after a "
              "crash during saving)'; in-place tracker write",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="megatron.training.checkpointing.save_checkpoint writes to _partial_<claim>_iter_*, rank 0 "
             "renames it into place, then replaces the tracker (temp + fsync + os.replace); one "
             "locked writer per --save cleans up; --save-retain-interval deletes after the commit; "

@@ -134,6 +134,7 @@ register(Patch(
     name=NAME,
     upstream="local (megatron reads damaged files rank by rank; no pre-load check)",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="megatron.training.checkpointing.load_checkpoint first checks tracker, .metadata "
             "and .distcp sizes (on rank 0) and refuses a damaged checkpoint on every rank, and "
             "one whose optimizer state this run cannot load (saved without one, by the other "

@@ -60,6 +60,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="local (megatron/training/dist_signal_handler.py)",
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="the exit-signal check is one all-reduce and one host sync per iteration",
     not_needed_because=_not_needed_because,
     apply=_apply,

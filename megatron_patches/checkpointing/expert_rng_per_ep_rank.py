@@ -152,6 +152,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="Megatron-LM PR #6858 (checkpointing.get_rng_state saves RNG per (PP, TP) rank)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="each expert rank's expert RNG stream saved and restored to that rank",
     not_needed_because=_not_needed_because,
     apply=_apply,

@@ -87,6 +87,7 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 training.train / rerun_state_machine (the tracker file and "
              "messages name the iteration after the one judged)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="the rerun state machine's messages and --result-rejected-tracker-filename name the "
             "iteration megatron logs, so a batch that fails twice is the one skipped",
     not_needed_because=_not_needed_because,

@@ -74,6 +74,7 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 training.train (the rerun's checkpoint is saved to --save "
              "even where there is none)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a result that reproduces in a run without --save stops the run with one line "
             "(exit 17) instead of a TypeError in megatron's save",
     not_needed_because=_not_needed_because,

@@ -84,6 +84,7 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 rerun_state_machine.validate_result (the first iteration of "
              "every process is not checked)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a run resumed with its optimizer state checks its first iteration's loss and "
             "gradients (megatron passed them unjudged: a NaN batch there trained into the "
             "weights and the checkpoint megatron saved to rerun from)",

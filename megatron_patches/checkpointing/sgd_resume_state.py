@@ -41,9 +41,12 @@ def _not_needed_because(context):
 
     config = OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.9)
     probe = torch.nn.Parameter(torch.zeros(2))
-    _, init_state_fn = _get_megatron_optimizer_based_on_param_groups(
-        config, model_chunks=[], param_groups=[{"params": [probe]}],
-        skip_megatron_wrapping=True)
+    build = _get_megatron_optimizer_based_on_param_groups
+    arguments = dict(config=config, model_chunks=[], param_groups=[{"params": [probe]}])
+    if "skip_megatron_wrapping" in inspect.signature(build).parameters:
+        _, init_state_fn = build(**arguments, skip_megatron_wrapping=True)
+    else:  # 0.15: the optimizer comes wrapped, and its wrapper keeps the function it was given
+        init_state_fn = build(**arguments).init_state_fn
     if init_state_fn is not None:
         return "megatron gives SGD a state function"
     return None

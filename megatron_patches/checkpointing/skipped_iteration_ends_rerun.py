@@ -77,6 +77,7 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 training.dummy_train_step (a skipped iteration leaves the rerun "
              "state machine rerunning from the checkpoint; the next step exits)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a job resumed from the checkpoint megatron saved to rerun a failed iteration trains "
             "on when that iteration is skipped (iterations_to_skip)",
     not_needed_because=_not_needed_because,

@@ -70,6 +70,7 @@ PATCH = register(Patch(
     upstream="local: the launcher reads data on every rank; megatron-core 0.19.2 "
              "training.dummy_train_step reads on TP rank 0 only",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="an iteration megatron skips consumes its micro-batches on every rank, so the TP "
             "ranks go on reading the same batches",
     not_needed_because=_not_needed_because,

@@ -96,6 +96,7 @@ register(Patch(
     upstream="local (megatron-core 0.19.2 load_checkpoint: the torch format's distrib_optim.pt "
              "from the tracker's iteration, not --ckpt-step's)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="--ckpt-step with --ckpt-format torch and the distributed optimizer loads that "
             "iteration's optimizer state and resumes at that iteration, not the newest "
             "checkpoint's (load_checkpoint's second, hand-made read of the tracker answers the "

@@ -28,7 +28,6 @@ the expert tensor-parallel rank.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import os
 
@@ -129,8 +128,6 @@ def _apply() -> None:
 
 
 def _not_needed_because(context: PatchContext) -> str | None:
-    if importlib.util.find_spec("megatron.training") is None:
-        return "megatron-core ships no megatron.training (no pretrain() saves here)"
     from megatron.training.checkpointing import get_checkpoint_name
 
     named_by = inspect.signature(get_checkpoint_name).parameters
@@ -143,6 +140,7 @@ PATCH = register(Patch(
     name="torch-format-shard-guard",
     upstream=UPSTREAM,
     versions=">=0.15,<0.20",
+    packages=("megatron.training",),
     summary="refuses --ckpt-format torch where ranks holding different pieces would share a "
             "file, judged on the model built (megatron.training.training."
             "get_megatron_optimizer), and a --load of a torch-format checkpoint saved so",

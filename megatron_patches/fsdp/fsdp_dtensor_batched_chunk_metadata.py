@@ -394,6 +394,7 @@ register(Patch(
     upstream="megatron-core 0.19.2 uneven_dtensor (one all_gather_object per DTensor per "
              "sharded mesh dim; Megatron-LM PR #6573 open)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="Megatron-FSDP's model wrap and every fsdp_dtensor save or load place each "
             "DTensor shard with one int64 gather per process group per sharded mesh dim, and "
             "validate likewise, instead of several object gathers per tensor",

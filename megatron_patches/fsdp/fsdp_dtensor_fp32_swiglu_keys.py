@@ -129,6 +129,7 @@ PATCH = register(Patch(
     upstream="local (megatron-core 0.19.2 fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict "
              "looks SwiGLU weights up one `module.` level deeper than an fp32 model has)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="fp32 Megatron-FSDP saves and loads fsdp_dtensor checkpoints of SwiGLU models "
             "(megatron looks fc1 up as module.<key>, a level only bf16/fp16's Float16Module has)",
     not_needed_because=_not_needed_because,

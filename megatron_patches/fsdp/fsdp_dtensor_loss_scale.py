@@ -96,6 +96,7 @@ register(Patch(
     upstream="local (megatron-core 0.19.2 DistributedOptimizer.sharded_param_state_fsdp_dtensor "
              "saves no grad scaler)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="Megatron-FSDP --fp16: fsdp_dtensor checkpoints keep the loss scaler's state (scale, "
             "growth and hysteresis trackers) and a resume goes on with it, instead of "
             "restarting from --initial-loss-scale",

@@ -102,6 +102,7 @@ register(Patch(
     upstream="megatron-core 0.19.2 load_checkpoint (fsdp_dtensor branch asks a release "
              "checkpoint for optimizer and RNG state)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="an fsdp_dtensor release (converted weights) loads without optimizer, scheduler and "
             "RNG state, as megatron's torch_dist path loads one, instead of failing on every rank",
     not_needed_because=_not_needed_because,

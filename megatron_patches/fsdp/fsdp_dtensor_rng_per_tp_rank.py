@@ -64,6 +64,7 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 checkpointing._load_base_checkpoint (fsdp_dtensor RNG template "
              "built without the model's groups)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="an fsdp_dtensor resume restores each TP/PP rank's own RNG state (not TP rank 0's)",
     not_needed_because=_not_needed_because,
     apply=_apply,

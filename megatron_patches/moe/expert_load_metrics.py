@@ -242,6 +242,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="NVIDIA/Megatron-LM#2398",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="per-layer tokens per expert (min/max/mean/cv), idle experts, dropped tokens "
             "and those chosen before the drop, per log interval",
     not_needed_because=_not_needed_because,

@@ -82,6 +82,7 @@ PATCH = register(Patch(
     name=NAME,
     upstream="local (megatron-core 0.19.2 qk_clip.clip_qk; cf. Megatron-LM PR #7382)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="--qk-clip and --log-max-attention-logit clip and count every attention layer, "
             "MTP layers too (megatron walked the decoder's layers only, and failed on an fp32 "
             "run's model)",

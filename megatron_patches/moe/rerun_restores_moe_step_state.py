@@ -116,6 +116,7 @@ PATCH = register(Patch(
     upstream="megatron-core 0.19.2 rerun_state_machine (an in-place rerun keeps the first run's "
              "expert-bias update and MoE metrics)",
     versions=">=0.19,<0.20",
+    packages=("megatron.training",),
     summary="a step megatron's rerun state machine reruns in place starts from the router "
             "biases it began with and logs its MoE metrics once",
     not_needed_because=_not_needed_because,

@@ -41,6 +41,24 @@ def test_patch_outside_its_versions_is_skipped_with_the_reason():
         registry._APPLIED.pop("probe-version-range")
 
 
+def test_patch_hooking_a_package_not_installed_is_skipped_before_its_probe():
+    # megatron-core 0.15.x wheels ship no megatron.training; the patches that hook it declare it.
+    patch = registry.Patch(name="probe-missing-package", upstream="test", versions=">=0.15",
+                           summary="", packages=("megatron.no_such_package",),
+                           not_needed_because=lambda context: pytest.fail("must not probe"),
+                           apply=lambda: pytest.fail("must not apply"))
+    registry.register(patch)
+    try:
+        statuses = registry.apply_patches(registry.PatchContext(Version("0.19.2"), True))
+        status = next(s for s in statuses if s.name == "probe-missing-package")
+        assert not status.applied
+        assert status.reason == ("megatron.no_such_package is not installed "
+                                 "(megatron-core 0.19.2 ships without it)")
+    finally:
+        registry._REGISTRY.pop("probe-missing-package")
+        registry._APPLIED.pop("probe-missing-package")
+
+
 def test_unknown_disabled_patch_is_refused(monkeypatch):
     registry.load_patches()
     monkeypatch.setenv(registry.DISABLE_ENV, "no-such-patch")
