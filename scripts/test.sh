@@ -12,6 +12,7 @@ status=0
 
 if [ -f requirements-legacy.lock ]; then
   MCORE=legacy bash scripts/setup.sh
-  LEGACY_SUITE=1 .venv-legacy/bin/python -m pytest -q -m legacy --durations=5 tests/megatron_patches/fsdp/test_legacy_*.py || status=$?
+  LEGACY_SUITE=1 .venv-legacy/bin/python -m pytest -q -m legacy --durations=5 tests/megatron_patches/fsdp/test_legacy_*.py \
+    tests/megatron_patches/checkpointing/test_sync_save_cpu.py || status=$?
 fi
 exit $status

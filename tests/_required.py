@@ -32,3 +32,19 @@ def transformer_engine_missing() -> str | None:
     except Exception as error:  # a TE built for another torch fails in many ways
         return f"needs Transformer Engine ({type(error).__name__})"
     return None
+
+
+def require_legacy_megatron() -> None:
+    """Skip unless megatron-core 0.15.x (the legacy track) is installed. scripts/test.sh runs the
+    legacy tests as their own suite (LEGACY_SUITE=1): there the wrong megatron-core in
+    .venv-legacy is a broken set-up and fails, not a skip."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    try:
+        installed = version("megatron-core") in SpecifierSet("~=0.15.0")
+    except PackageNotFoundError:
+        installed = False
+    require(installed, "needs megatron-core 0.15.x (.venv-legacy: MCORE=legacy bash scripts/setup.sh)",
+            enforced_by="LEGACY_SUITE")

@@ -8,7 +8,13 @@ different things, a queue and a log flag), and both applied.
   patched, a save starts no process and writes the same checkpoint, read back by torch's own DCP
   reader (`dcp_to_torch_save`).
 - sync-save-no-async-deprecation: unpatched, every rank warns at its first save that "MCore's
-  async save is deprecated" in a run that makes no asynchronous save; patched, no rank does."""
+  async save is deprecated" in a run that makes no asynchronous save; patched, no rank does.
+
+The queue patch on megatron-core 0.15.x (the legacy track, whose writer forks its writers) is the
+last test, run by the legacy suite:
+
+    .venv-legacy/bin/python -m pytest -m legacy tests/megatron_patches/checkpointing/test_sync_save_cpu.py
+"""
 
 import argparse
 
@@ -18,7 +24,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from _launch import REPO, TINY_MODEL, launch
+from _required import require_legacy_megatron
 from _save_children_entry import saved_children
+from megatron_patches import registry
 
 QUEUE = "sync-save-thread-results-queue"
 WARNING = "sync-save-no-async-deprecation"
@@ -39,43 +47,32 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """mode -> (log, each rank's child processes, every item of the iteration-2 checkpoint)."""
-    tmp_path = tmp_path_factory.mktemp("sync_save")
-    runs = {}
-    for mode, disable in (("unpatched", f"{QUEUE},{WARNING}"), ("patched", "")):
-        ckpt = tmp_path / "ckpt"  # one --save for both: the saved arguments name it
-        run = launch(2, [*TINY_MODEL, "--use-distributed-optimizer", "--train-iters", "2",
-                         "--save-interval", "1", "--save", str(ckpt)],
-                     env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=300,
-                     script=REPO / "tests" / "_save_children_entry.py")
-        assert run.returncode == 0, run.log[-4000:]
-        assert run.log.count("successfully saved checkpoint from iteration") == 2, run.log[-4000:]
-        status = "skipped (disabled" if disable else "applied ("
-        for name in (QUEUE, WARNING):
-            assert f"[megatron_patches] {name}: {status}" in run.log
-        children = {line["rank"]: " ".join(line["children"])
-                    for line in saved_children(run.log)}
-        assert sorted(children) == [0, 1], run.log[-4000:]
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-        dcp_to_torch_save(ckpt / "iter_0000002", tmp_path / f"{mode}.pt")
-        saved = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
-        ckpt.rename(tmp_path / mode)
-        runs[mode] = run.log, children, saved
-    return runs
+def save_twice(tmp_path, mode: str, disable: str, patches: tuple[str, ...]) -> tuple:
+    """One 2-rank run saving at iterations 1 and 2 with `disable` left out: its log, each rank's
+    child processes (names, space-joined) and every item of the iteration-2 checkpoint, read by
+    torch's DCP reader. `patches`: the patches whose status line the run must print."""
+    ckpt = tmp_path / "ckpt"  # one --save for every mode: the saved arguments name it
+    run = launch(2, [*TINY_MODEL, "--use-distributed-optimizer", "--train-iters", "2",
+                     "--save-interval", "1", "--save", str(ckpt)],
+                 env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=300,
+                 script=REPO / "tests" / "_save_children_entry.py")
+    assert run.returncode == 0, run.log[-4000:]
+    assert run.log.count("successfully saved checkpoint from iteration") == 2, run.log[-4000:]
+    status = "skipped (disabled" if disable else "applied ("
+    for name in patches:
+        assert f"[megatron_patches] {name}: {status}" in run.log
+    children = {line["rank"]: " ".join(line["children"]) for line in saved_children(run.log)}
+    assert sorted(children) == [0, 1], run.log[-4000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    dcp_to_torch_save(ckpt / "iter_0000002", tmp_path / f"{mode}.pt")
+    saved = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
+    ckpt.rename(tmp_path / mode)
+    return run.log, children, saved
 
 
-@pytest.mark.slow
-def test_a_save_starts_no_process_and_writes_the_same_checkpoint(runs):
-    (_, unpatched_children, unpatched), (_, patched_children, patched) = \
-        runs["unpatched"], runs["patched"]
-    # megatron-core 0.19.2: each rank's first save started a Manager that is still running.
-    children = unpatched_children, patched_children
-    assert all("SyncManager" in names for names in unpatched_children.values()), children
-    assert not any("SyncManager" in names for names in patched_children.values()), children
-    # The same checkpoint: every key, every tensor bit for bit, every other item (saved
-    # arguments, RNG and rerun state, the optimizer's layout) equal.
+def assert_same_checkpoint(patched: dict, unpatched: dict) -> None:
+    """Every key, every tensor bit for bit, every other item (saved arguments, RNG and rerun
+    state, the optimizer's layout) equal."""
     assert sorted(patched) == sorted(unpatched) and len(patched) > 20
     tensors = [key for key, value in patched.items() if torch.is_tensor(value)]
     assert any("experts" in key for key in tensors) and any("optimizer" in key for key in tensors)
@@ -83,8 +80,66 @@ def test_a_save_starts_no_process_and_writes_the_same_checkpoint(runs):
         assert _same(value, unpatched[key]), key
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """mode -> (log, each rank's child processes, every item of the iteration-2 checkpoint)."""
+    tmp_path = tmp_path_factory.mktemp("sync_save")
+    return {mode: save_twice(tmp_path, mode, disable, (QUEUE, WARNING))
+            for mode, disable in (("unpatched", f"{QUEUE},{WARNING}"), ("patched", ""))}
+
+
+def assert_no_manager_left(unpatched_children: dict, patched_children: dict) -> None:
+    """Unpatched, each rank's first save started a Manager that is still running; patched, none."""
+    children = unpatched_children, patched_children
+    assert all("SyncManager" in names for names in unpatched_children.values()), children
+    assert not any("SyncManager" in names for names in patched_children.values()), children
+
+
+@pytest.mark.slow
+def test_a_save_starts_no_process_and_writes_the_same_checkpoint(runs):
+    (_, unpatched_children, unpatched), (_, patched_children, patched) = \
+        runs["unpatched"], runs["patched"]
+    assert_no_manager_left(unpatched_children, patched_children)
+    assert_same_checkpoint(patched, unpatched)
+
+
 @pytest.mark.slow
 def test_a_synchronous_save_warns_of_no_async_save(runs):
     unpatched_log, patched_log = runs["unpatched"][0], runs["patched"][0]
     assert unpatched_log.count(ASYNC_DEPRECATED) == 2, unpatched_log[-4000:]  # once per rank
     assert ASYNC_DEPRECATED not in patched_log
+
+
+@pytest.mark.legacy
+@pytest.mark.slow
+def test_a_save_on_megatron_0_15_starts_no_process_and_writes_the_same_checkpoint(tmp_path):
+    # 0.15.3 takes the same spawned Manager's queue (`_get_write_results_queue`) and has no
+    # megatron.training: a loop of the user's own saves twice with dist_checkpointing
+    # (tests/_sync_save_worker.py). It has no deprecation warning to silence.
+    require_legacy_megatron()
+    runs = {}
+    for mode, disable in (("unpatched", QUEUE), ("patched", "")):
+        ckpt = tmp_path / mode
+        run = launch(2, [str(ckpt)], env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=300,
+                     script=REPO / "tests" / "_sync_save_worker.py")
+        assert run.returncode == 0, run.log[-4000:]
+        status = "skipped (disabled" if disable else "applied ("
+        assert f"[megatron_patches] {QUEUE}: {status}" in run.log, run.log[-4000:]
+        # The whole registry applies on 0.15.3, which has no megatron.training: every patch
+        # prints its line (probes that imported it had stopped the worker).
+        assert run.log.count("[megatron_patches] ") == len(registry.load_patches())
+        children = {line["rank"]: " ".join(line["children"]) for line in saved_children(run.log)}
+        assert sorted(children) == [0, 1], run.log[-4000:]
+        saved = []
+        for iteration in (1, 2):
+            dcp_to_torch_save(ckpt / f"iter_{iteration}", tmp_path / f"{mode}{iteration}.pt")
+            saved.append(torch.load(tmp_path / f"{mode}{iteration}.pt", weights_only=False))
+        runs[mode] = children, saved
+    (unpatched_children, unpatched), (patched_children, patched) = \
+        runs["unpatched"], runs["patched"]
+    assert_no_manager_left(unpatched_children, patched_children)
+    # Each save holds both ranks' rows of the weight, drawn from each rank's own seed.
+    for iteration, (unpatched_save, patched_save) in enumerate(zip(unpatched, patched), 1):
+        assert patched_save["weight"].shape == (8, 8)
+        assert _same(patched_save, unpatched_save), iteration
+    assert not torch.equal(patched[0]["weight"], patched[1]["weight"])

@@ -10,33 +10,19 @@ loaded into a model built from another seed. Run with the legacy environment:
 from __future__ import annotations
 
 import json
-from importlib.metadata import PackageNotFoundError, version
 
 import pytest
-from packaging.version import Version
 
 from _launch import launch, REPO
-from _required import require
-
-
-def _legacy_installed() -> bool:
-    try:
-        return Version(version("megatron-core")) in __import__(
-            "packaging.specifiers").specifiers.SpecifierSet("~=0.15.0")
-    except PackageNotFoundError:
-        return False
-
+from _required import require_legacy_megatron
 
 pytestmark = pytest.mark.legacy
 
 
 @pytest.fixture(autouse=True)
 def legacy_megatron():
-    # scripts/test.sh runs this module as the legacy suite (LEGACY_SUITE=1): there the wrong
-    # megatron-core in .venv-legacy is a broken set-up and fails, not four skips.
-    require(_legacy_installed(),
-            "needs megatron-core 0.15.x (.venv-legacy: MCORE=legacy bash scripts/setup.sh)",
-            enforced_by="LEGACY_SUITE")
+    require_legacy_megatron()
+
 
 ETP = 2
 PATCH = "fsdp-expert-etp-sharding"
