@@ -46,5 +46,6 @@ def require_legacy_megatron() -> None:
         installed = version("megatron-core") in SpecifierSet("~=0.15.0")
     except PackageNotFoundError:
         installed = False
-    require(installed, "needs megatron-core 0.15.x (.venv-legacy: MCORE=legacy bash scripts/setup.sh)",
+    require(installed,
+            "needs megatron-core 0.15.x (.venv-legacy: MCORE=legacy bash scripts/setup.sh)",
             enforced_by="LEGACY_SUITE")
