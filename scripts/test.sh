@@ -15,7 +15,8 @@ if [ -f requirements-legacy.lock ]; then
   # The legacy tests, and the in-process ones of the default suite that hold on 0.15 too (the
   # registry; the fused cross-entropy patch): "not slow" keeps the 0.19 launches out.
   LEGACY_SUITE=1 .venv-legacy/bin/python -m pytest -q -m "legacy or not slow" --durations=5 \
-    tests/megatron_patches/fsdp/test_legacy_*.py tests/megatron_patches/checkpointing/test_sync_save_cpu.py \
+    tests/megatron_patches/fsdp/test_legacy_*.py \
+    tests/megatron_patches/checkpointing/test_sync_save_cpu.py \
     tests/megatron_patches/test_registry_and_defaults.py \
     tests/megatron_patches/accounting/test_fused_cross_entropy_gradient_cpu.py || status=$?
 fi

@@ -47,27 +47,41 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def save_twice(tmp_path, mode: str, disable: str, patches: tuple[str, ...]) -> tuple:
-    """One 2-rank run saving at iterations 1 and 2 with `disable` left out: its log, each rank's
-    child processes (names, space-joined) and every item of the iteration-2 checkpoint, read by
-    torch's DCP reader. `patches`: the patches whose status line the run must print."""
-    ckpt = tmp_path / "ckpt"  # one --save for every mode: the saved arguments name it
-    run = launch(2, [*TINY_MODEL, "--use-distributed-optimizer", "--train-iters", "2",
-                     "--save-interval", "1", "--save", str(ckpt)],
-                 env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=300,
-                 script=REPO / "tests" / "_save_children_entry.py")
+def launched(script: str, args: list[str], disable: str, patches: tuple[str, ...]) -> tuple:
+    """A 2-rank run of tests/`script` with `disable` left out that exits 0, prints `patches`'
+    status lines as left out or applied, and reports both ranks' child processes: its log and
+    rank -> the children's names, space-joined."""
+    run = launch(2, args, env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=300,
+                 script=REPO / "tests" / script)
     assert run.returncode == 0, run.log[-4000:]
-    assert run.log.count("successfully saved checkpoint from iteration") == 2, run.log[-4000:]
     status = "skipped (disabled" if disable else "applied ("
     for name in patches:
-        assert f"[megatron_patches] {name}: {status}" in run.log
+        assert f"[megatron_patches] {name}: {status}" in run.log, run.log[-4000:]
     children = {line["rank"]: " ".join(line["children"]) for line in saved_children(run.log)}
     assert sorted(children) == [0, 1], run.log[-4000:]
+    return run.log, children
+
+
+def read_dcp(folder, into) -> dict:
+    """Every item of a torch DCP checkpoint, as torch's own reader (`dcp_to_torch_save`)
+    gives it."""
+    dcp_to_torch_save(folder, into)
+    return torch.load(into, weights_only=False)
+
+
+def save_twice(tmp_path, mode: str, disable: str, patches: tuple[str, ...]) -> tuple:
+    """One 2-rank run of pretrain_moe.py saving at iterations 1 and 2 with `disable` left out:
+    its log, each rank's child processes and every item of the iteration-2 checkpoint."""
+    ckpt = tmp_path / "ckpt"  # one --save for every mode: the saved arguments name it
+    log, children = launched(
+        "_save_children_entry.py", [*TINY_MODEL, "--use-distributed-optimizer", "--train-iters",
+                                    "2", "--save-interval", "1", "--save", str(ckpt)],
+        disable, patches)
+    assert log.count("successfully saved checkpoint from iteration") == 2, log[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    dcp_to_torch_save(ckpt / "iter_0000002", tmp_path / f"{mode}.pt")
-    saved = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
+    saved = read_dcp(ckpt / "iter_0000002", tmp_path / f"{mode}.pt")
     ckpt.rename(tmp_path / mode)
-    return run.log, children, saved
+    return log, children, saved
 
 
 def assert_same_checkpoint(patched: dict, unpatched: dict) -> None:
@@ -120,21 +134,12 @@ def test_a_save_on_megatron_0_15_starts_no_process_and_writes_the_same_checkpoin
     runs = {}
     for mode, disable in (("unpatched", QUEUE), ("patched", "")):
         ckpt = tmp_path / mode
-        run = launch(2, [str(ckpt)], env={"MEGATRON_PATCHES_DISABLE": disable}, timeout=300,
-                     script=REPO / "tests" / "_sync_save_worker.py")
-        assert run.returncode == 0, run.log[-4000:]
-        status = "skipped (disabled" if disable else "applied ("
-        assert f"[megatron_patches] {QUEUE}: {status}" in run.log, run.log[-4000:]
+        log, children = launched("_sync_save_worker.py", [str(ckpt)], disable, (QUEUE,))
         # The whole registry applies on 0.15.3, which has no megatron.training: every patch
         # prints its line (probes that imported it had stopped the worker).
-        assert run.log.count("[megatron_patches] ") == len(registry.load_patches())
-        children = {line["rank"]: " ".join(line["children"]) for line in saved_children(run.log)}
-        assert sorted(children) == [0, 1], run.log[-4000:]
-        saved = []
-        for iteration in (1, 2):
-            dcp_to_torch_save(ckpt / f"iter_{iteration}", tmp_path / f"{mode}{iteration}.pt")
-            saved.append(torch.load(tmp_path / f"{mode}{iteration}.pt", weights_only=False))
-        runs[mode] = children, saved
+        assert log.count("[megatron_patches] ") == len(registry.load_patches())
+        runs[mode] = children, [read_dcp(ckpt / f"iter_{i}", tmp_path / f"{mode}{i}.pt")
+                                for i in (1, 2)]
     (unpatched_children, unpatched), (patched_children, patched) = \
         runs["unpatched"], runs["patched"]
     assert_no_manager_left(unpatched_children, patched_children)
