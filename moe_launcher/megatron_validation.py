@@ -92,10 +92,6 @@ def validated_args(args: argparse.Namespace) -> argparse.Namespace:
 
             load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
             load_args_from_checkpoint(args)
-        if args.yaml_cfg is not None:
-            from megatron.training.yaml_arguments import validate_yaml
-
-            return validate_yaml(args, {})
         from megatron.training.arguments import validate_args
 
         validate_args(args, {})
@@ -194,10 +190,25 @@ def _help_printable(parser: argparse.ArgumentParser) -> None:
                 action.help = re.sub(r"%(?![(%])", "%%", action.help)
 
 
+def _refuse_yaml_config(path: str) -> str:
+    """--yaml-cfg's value, refused as argparse reads it: megatron's parse_args replaces the
+    parsed flags by the YAML file's namespace right after parsing, and nothing after that
+    sees a flag of the command line. The flags this launcher supplies (the CPU backend's,
+    logging) and checks would silently not apply; nor does megatron-core 0.19.2 get through its
+    own parse_args with it: its example config (Megatron-LM examples/gpt3/gpt_config.yaml) has
+    no `disable_msc_deprecated`, which parse_args reads next (AttributeError on every rank)."""
+    raise PreflightError(
+        "--yaml-cfg",
+        f"--yaml-cfg {path}: megatron's experimental YAML arguments replace the whole command "
+        "line, so every flag (the launcher's defaults and checks included) would be ignored, "
+        "and megatron-core's parse_args fails on them; fix: pass the settings as Megatron-LM "
+        "flags (`python pretrain_moe.py --help` lists them)")
+
+
 def _launcher_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """megatron's parser (its own instance, through megatron's hook for it) with errors (an
-    unknown flag, a bad value) as refusals instead of argparse's usage text and exit, and a
-    `--help` that prints."""
+    unknown flag, a bad value) as refusals instead of argparse's usage text and exit, a
+    `--help` that prints, and --yaml-cfg refused (see _refuse_yaml_config)."""
     def refuse(message: str):
         flags = re.findall(r"--[a-z0-9][a-z0-9_-]*", message)
         flag = flags[0] if flags else "the command line"
@@ -205,6 +216,9 @@ def _launcher_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                                    "--help` lists every flag)")
 
     parser.error = refuse
+    for action in parser._actions:
+        if action.dest == "yaml_cfg":
+            action.type = _refuse_yaml_config
     _help_printable(parser)
     return parser
 

@@ -204,6 +204,9 @@ CASES = {
     "result-rejected-tracker-in-a-missing-folder": (
         1, ["--result-rejected-tracker-filename", "/no-such-folder/rejected_results.txt"],
         "--result-rejected-tracker-filename"),
+    # megatron's parse_args swaps every parsed flag for the YAML file's namespace.
+    "yaml-cfg-replaces-the-command-line": (1, ["--yaml-cfg", str(REPO / "run.yaml")],
+                                           "--yaml-cfg"),
     "tokenizer-model-folder-without-a-tokenizer": (1, ["--tokenizer-type", "HuggingFaceTokenizer",
                                                        "--tokenizer-model", str(REPO / "examples")],
                                                    "--tokenizer-model"),
@@ -277,6 +280,27 @@ def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypa
     said = [line for line in printed.getvalue().splitlines()
             if ("num_layers" in line or "num-layers" in line) and " ...." not in line]
     assert said == [], said  # only megatron's dump of every argument names it
+
+
+def test_without_the_check_megatron_drops_the_flags_for_a_yaml_config_and_fails(monkeypatch,
+                                                                               tmp_path):
+    """What the --yaml-cfg refusal stops: megatron-core 0.19.2's own parse_args, given a config
+    shaped as Megatron-LM's examples/gpt3/gpt_config.yaml (nested language_model and
+    model_parallel sections, top-level training keys), replaces the parsed flags by the file's
+    namespace and then fails on an attribute the file does not set, on every rank."""
+    import sys
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.yaml_arguments import load_yaml
+
+    config = tmp_path / "gpt_config.yaml"
+    config.write_text("language_model:\n  num_layers: 2\n  hidden_size: 64\n"
+                      "model_parallel:\n  tensor_model_parallel_size: 1\n"
+                      "micro_batch_size: 2\nglobal_batch_size: 8\nseq_length: 64\n")
+    assert not hasattr(load_yaml(str(config)), "num_experts")  # --num-experts below is gone
+    monkeypatch.setattr(sys, "argv", ["pretrain_moe.py", *BASE, "--yaml-cfg", str(config)])
+    with pytest.raises(AttributeError, match="disable_msc_deprecated"):
+        parse_args()
 
 
 def test_without_the_check_megatron_fails_on_attention_backend_local(monkeypatch):
