@@ -18,8 +18,10 @@ import argparse
 import collections
 import contextlib
 import functools
+import enum
 import os
 import re
+import sys
 import traceback
 
 from moe_launcher.runtime.refusals import PreflightError
@@ -84,9 +86,40 @@ def megatron_refusals():
         raise refusal(error) from None
 
 
+class _LastLineKept:
+    """A text stream passed through, keeping the last non-blank line written to it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.last = ""
+
+    def write(self, text: str) -> int:
+        if lines := [line for line in text.splitlines() if line.strip()]:
+            self.last = lines[-1]
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def megatron_exits_refused():
+    """megatron-core 0.19.2's validate_args ends the process with exit() for a flag it no longer
+    takes (--checkpoint-activations), after printing why: exit status 0 on every rank, a job that
+    reads as completed having trained nothing. Inside the block such an exit is a refusal that
+    quotes the line megatron printed last."""
+    printed = _LastLineKept(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    except SystemExit as stop:
+        stop.args = (printed.last,)
+        raise refusal(stop) from None
+
+
 def validated_args(args: argparse.Namespace) -> argparse.Namespace:
     """megatron's validation of parsed args (as in parse_and_validate_args, globals not set)."""
-    with megatron_refusals():
+    with megatron_refusals(), megatron_exits_refused():
         if args.use_checkpoint_args:
             from megatron.training.checkpointing import load_args_from_checkpoint
 
@@ -205,10 +238,26 @@ def _refuse_yaml_config(path: str) -> str:
         "flags (`python pretrain_moe.py --help` lists them)")
 
 
+def _enum_member(convert, members):
+    """megatron's conversion of an enum flag's value (--attention-backend, --exit-signal) looks
+    the name up in the enum and raises KeyError for one it does not know, which argparse lets
+    through as a traceback; here it is argparse's invalid-choice error."""
+    def member(value: str):
+        try:
+            return convert(value)
+        except KeyError:
+            names = ", ".join(member.name for member in members)
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {value!r} (choose from {names})") from None
+
+    return member
+
+
 def _launcher_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """megatron's parser (its own instance, through megatron's hook for it) with errors (an
-    unknown flag, a bad value) as refusals instead of argparse's usage text and exit, a
-    `--help` that prints, and --yaml-cfg refused (see _refuse_yaml_config)."""
+    unknown flag, a bad value, an enum name megatron does not know) as refusals instead of
+    argparse's usage text and exit or a traceback, a `--help` that prints, and --yaml-cfg
+    refused (see _refuse_yaml_config)."""
     def refuse(message: str):
         flags = re.findall(r"--[a-z0-9][a-z0-9_-]*", message)
         flag = flags[0] if flags else "the command line"
@@ -219,19 +268,21 @@ def _launcher_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     for action in parser._actions:
         if action.dest == "yaml_cfg":
             action.type = _refuse_yaml_config
+        elif action.choices and all(isinstance(choice, enum.Enum) for choice in action.choices):
+            action.type = _enum_member(action.type, action.choices)
     _help_printable(parser)
     return parser
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
     """megatron's parser on argv (megatron reads sys.argv: it is set to argv); a parser error
-    raises PreflightError."""
-    import sys
-
+    raises PreflightError, as does a check megatron makes as it parses (--enable-msc without
+    the multistorageclient package: a RuntimeError on every rank)."""
     from megatron.training.arguments import parse_args
 
     sys.argv = [sys.argv[0], *argv]
-    return parse_args(extra_args_provider=_launcher_parser)
+    with megatron_refusals():
+        return parse_args(extra_args_provider=_launcher_parser)
 
 
 def checked_command_line(argv: list[str]):

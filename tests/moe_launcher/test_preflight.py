@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import contextlib
+import importlib.util
 import io
 import re
 import time
@@ -22,7 +23,7 @@ import types
 import pytest
 import torch
 
-from _judge import judge, with_launcher_defaults
+from _judge import checked_args, judge, with_launcher_defaults
 from _launch import REPO, TINY_MODEL, launch
 
 
@@ -204,6 +205,13 @@ CASES = {
     "result-rejected-tracker-in-a-missing-folder": (
         1, ["--result-rejected-tracker-filename", "/no-such-folder/rejected_results.txt"],
         "--result-rejected-tracker-filename"),
+    # megatron's validate_args prints why and calls exit(): status 0 on every rank.
+    "checkpoint-activations-no-longer-valid": (1, ["--checkpoint-activations"],
+                                               "--checkpoint-activations"),
+    # megatron's enum conversion raises KeyError (a traceback) on a name it does not know.
+    "attention-backend-unknown-name": (1, ["--attention-backend", "flash_attn"],
+                                       "--attention-backend"),
+    "exit-signal-unknown-name": (1, ["--exit-signal", "TERM"], "--exit-signal"),
     # megatron's parse_args swaps every parsed flag for the YAML file's namespace.
     "yaml-cfg-replaces-the-command-line": (1, ["--yaml-cfg", str(REPO / "run.yaml")],
                                            "--yaml-cfg"),
@@ -301,6 +309,94 @@ def test_without_the_check_megatron_drops_the_flags_for_a_yaml_config_and_fails(
     monkeypatch.setattr(sys, "argv", ["pretrain_moe.py", *BASE, "--yaml-cfg", str(config)])
     with pytest.raises(AttributeError, match="disable_msc_deprecated"):
         parse_args()
+
+
+def megatron_alone(monkeypatch, argv: list[str]):
+    """megatron-core's own parse_args and validate_args on argv, as rank 0 of one."""
+    import sys
+
+    from megatron.training.arguments import parse_args, validate_args
+
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", ["pretrain_moe.py", *argv])
+    return validate_args(parse_args(), {})
+
+
+def test_without_the_checks_megatron_exits_0_or_raises_on_these_flags(monkeypatch, capsys):
+    """What the three parse and validation refusals stop, on megatron-core 0.19.2 alone:
+    --checkpoint-activations ends validate_args with exit() after a printed line (status 0: a
+    job that reads as completed), an enum flag's unknown name is a KeyError out of argparse,
+    --enable-msc without multistorageclient a RuntimeError out of parse_args."""
+    with pytest.raises(SystemExit) as stopped:
+        megatron_alone(monkeypatch, [*BASE, "--checkpoint-activations"])
+    assert stopped.value.code is None  # the interpreter's exit status 0
+    assert "--checkpoint-activations is no longer valid" in capsys.readouterr().out
+    with pytest.raises(KeyError, match="flash_attn"):
+        megatron_alone(monkeypatch, [*BASE, "--attention-backend", "flash_attn"])
+    if importlib.util.find_spec("multistorageclient") is None:
+        with pytest.raises(RuntimeError, match="multistorageclient package is not installed"):
+            megatron_alone(monkeypatch, [*BASE, "--enable-msc"])
+
+
+def test_msc_without_its_package_is_refused(monkeypatch, tmp_path):
+    if importlib.util.find_spec("multistorageclient") is not None:
+        pytest.skip("multistorageclient is installed: megatron takes --enable-msc")
+    line = judge(1, [*BASE, "--enable-msc"], monkeypatch)
+    assert line is not None and line.startswith("pretrain_moe: error: --enable-msc: "), line
+    assert "pip install multi-storage-client" in line and "\n" not in line, line
+
+
+def test_every_flag_alone_is_accepted_or_refused_in_one_line(monkeypatch):
+    """Each of megatron-core's flags that takes no value, and an unknown name for each flag with
+    choices, added alone to the tiny model: the checks before work accept it or refuse it in
+    one line, and raise nothing else (a traceback, or megatron's exit() with status 0)."""
+    import argparse
+
+    from megatron.training.argument_utils import ArgumentGroupFactory
+    from megatron.training.arguments import add_megatron_arguments
+
+    from moe_launcher.runtime.refusals import PreflightError
+
+    # megatron builds its parser anew at every parse and reads its config classes' source for
+    # the help strings each time (~95% of a check's 0.13 s); they depend on the source only,
+    # so this test reads each class once.
+    read_docstrings = ArgumentGroupFactory._get_field_docstrings
+    docstrings = {}
+
+    def read_once(factory, config_class):
+        if config_class not in docstrings:
+            docstrings[config_class] = read_docstrings(factory, config_class)
+        return dict(docstrings[config_class])
+
+    monkeypatch.setattr(ArgumentGroupFactory, "_get_field_docstrings", read_once)
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    additions = []
+    for action in parser._actions:
+        flag = action.option_strings[0] if action.option_strings else None
+        if flag is None or action.dest == "help" or flag in BASE:
+            continue
+        if action.nargs == 0:
+            additions.append([flag])
+        elif action.choices:
+            additions.append([flag, "no-such-choice"])
+    assert len(additions) > 300, len(additions)
+    outcomes = {}
+    for addition in additions:
+        try:
+            with monkeypatch.context() as scoped:
+                checked_args(1, [*BASE, *addition], scoped)
+            outcomes[" ".join(addition)] = "accepted"
+        except PreflightError as refused:
+            assert "\n" not in refused.line(), refused.line()
+            outcomes[" ".join(addition)] = "refused"
+        except BaseException as error:  # noqa: BLE001 -- what the test looks for
+            outcomes[" ".join(addition)] = f"{type(error).__name__}: {error}"
+    escaped = {flags: outcome for flags, outcome in outcomes.items()
+               if outcome not in ("accepted", "refused")}
+    assert escaped == {}, escaped
+    assert all(outcomes[f"{flag} no-such-choice"] == "refused" for flag in
+               ("--attention-backend", "--exit-signal", "--moe-token-dispatcher-type"))
 
 
 def test_without_the_check_megatron_fails_on_attention_backend_local(monkeypatch):
