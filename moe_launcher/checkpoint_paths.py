@@ -6,7 +6,8 @@ before its first checkpoint, start fresh, as megatron does. A --save that holds 
 committed checkpoint is refused to a run that does not continue it (save_continuity); a
 torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only; a distributed --load
 under --ckpt-format torch, and a torch-format --load at another TP or PP size (megatron fails on
-both only once the model is built). Registered with
+both only once the model is built), and --init-model-with-meta-device without Megatron-FSDP
+where no checkpoint will be loaded (megatron leaves those weights uninitialized). Registered with
 `preflight_check` (imported by megatron_validation.checked_command_line).
 """
 
@@ -130,6 +131,32 @@ def check_megatron_fsdp_pipeline_layout(args) -> None:
                          "fix: resume with the saved pipeline layout, or go through torch_dist "
                          "(`python -m moe_launcher.convert to-torch-dist` and a run without "
                          "--use-megatron-fsdp)")
+
+
+@preflight_check("meta-device-weights-from-a-checkpoint", machine=True)
+def check_meta_device_weights_loaded(args) -> None:
+    # --init-model-with-meta-device builds the model on torch's meta device. Megatron-FSDP then
+    # materializes each module through its reset_parameters, an initialization; without it
+    # megatron-core 0.19.2 gives the weights memory with torch.empty_like (get_model's
+    # to_empty_if_meta_device) and initializes none of them: Transformer Engine's layers on a
+    # GPU (made on "meta" under the flag), every layer with --use-cpu-initialization. Only a
+    # checkpoint the run loads (--load, or megatron's fallback --pretrained-checkpoint) turns
+    # that memory into weights. torch FSDP2 materializes in fully_shard: not judged here.
+    if (not getattr(args, "init_model_with_meta_device", False) or args.use_megatron_fsdp
+            or args.use_torch_fsdp2):
+        return
+    if any(loaded_iteration_dir(folder, args.ckpt_step)
+           for folder in (args.load, args.pretrained_checkpoint)):
+        return
+    raise PreflightError("--init-model-with-meta-device",
+                         "--init-model-with-meta-device without --use-megatron-fsdp and with no "
+                         "checkpoint to load: megatron-core 0.19.2 gives the meta-device "
+                         "weights memory (torch.empty_like) and initializes none of them "
+                         "(Transformer Engine's layers on a GPU, every layer with "
+                         "--use-cpu-initialization), so the run would train from whatever that "
+                         "memory held; fix: drop --init-model-with-meta-device, use it with "
+                         "--use-megatron-fsdp (which initializes each module it materializes), "
+                         "or --load a checkpoint")
 
 
 @preflight_check("load-format", machine=True)

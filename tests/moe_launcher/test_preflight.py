@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from _judge import checked_args, judge, with_launcher_defaults
-from _launch import REPO, TINY_MODEL, launch
+from _launch import REPO, TINY_MODEL, launch, printed_losses
 
 
 def without(flags: list[str], flag: str, values: int = 0) -> list[str]:
@@ -205,6 +205,9 @@ CASES = {
     "result-rejected-tracker-in-a-missing-folder": (
         1, ["--result-rejected-tracker-filename", "/no-such-folder/rejected_results.txt"],
         "--result-rejected-tracker-filename"),
+    # megatron's get_model gives the meta-device weights memory and initializes none of them.
+    "meta-device-without-fsdp-or-checkpoint": (1, ["--init-model-with-meta-device"],
+                                               "--init-model-with-meta-device"),
     # megatron's validate_args prints why and calls exit(): status 0 on every rank.
     "checkpoint-activations-no-longer-valid": (1, ["--checkpoint-activations"],
                                                "--checkpoint-activations"),
@@ -764,6 +767,47 @@ def test_every_rank_stops_and_one_rank_explains(tmp_path):
     assert 'pretrain_moe.py", line' not in run.log  # no traceback from the launcher itself
     assert not save.exists()
     assert time.monotonic() - started < 150
+
+
+def test_meta_device_weights_need_a_checkpoint_to_load(tmp_path, monkeypatch):
+    """--init-model-with-meta-device without Megatron-FSDP is refused where no checkpoint will
+    be loaded (none at all, or the run's own --save before its first checkpoint) and passes
+    where --load, or megatron's fallback --pretrained-checkpoint, holds one."""
+    checkpoint = tmp_path / "ckpt"
+    (checkpoint / "iter_0000002").mkdir(parents=True)
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text("2")
+    meta = [*BASE, "--init-model-with-meta-device"]
+    own_save = ["--save", str(tmp_path / "run"), "--load", str(tmp_path / "run"),
+                "--save-interval", "1"]
+    for refused in ([], own_save):
+        line = judge(1, [*meta, *refused], monkeypatch)
+        assert line is not None and "--init-model-with-meta-device" in line, refused
+    assert judge(1, [*meta, "--load", str(checkpoint)], monkeypatch) is None
+    assert judge(1, [*meta, *own_save[:2], "--save-interval", "1", "--load",
+                     str(tmp_path / "run"), "--pretrained-checkpoint", str(checkpoint)],
+                 monkeypatch) is None
+
+
+@pytest.mark.slow
+def test_without_the_check_meta_device_weights_are_uninitialized_memory(tmp_path):
+    """What meta-device-weights-from-a-checkpoint refuses, and what it lets through, on
+    megatron-core 0.19.2 (1 rank): left out, a fresh run with --init-model-with-meta-device
+    ends its first iteration with other weights (params norm) than the same run without the
+    flag, which megatron initializes from the same seed; resumed from that run's checkpoint of
+    iteration 2, the flag's run trains iterations 3 and 4 with the uninterrupted run's losses."""
+    run = [*TINY_MODEL, "--train-iters", "4", "--log-params-norm"]
+    checkpoint = tmp_path / "ckpt"
+    reference = launch(1, [*run, "--save", str(checkpoint), "--save-interval", "2"],
+                       timeout=300).check()
+    fresh = launch(1, [*run, "--init-model-with-meta-device"],
+                   env={"PREFLIGHT_LEFT_OUT": "meta-device-weights-from-a-checkpoint"},
+                   script=REPO / "tests" / "_preflight_left_out.py", timeout=300)
+    initialized = printed_losses(reference.log, "params norm")
+    assert printed_losses(fresh.log, "params norm").get(1) != initialized[1], fresh.log[-3000:]
+    resumed = launch(1, [*run, "--init-model-with-meta-device", "--load", str(checkpoint),
+                         "--ckpt-step", "2"], timeout=300).check()
+    expected = printed_losses(reference.log)
+    assert printed_losses(resumed.log) == {3: expected[3], 4: expected[4]}, resumed.log[-3000:]
 
 
 def test_megatron_fsdp_refuses_a_torch_dist_load(tmp_path, monkeypatch):
