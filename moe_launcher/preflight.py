@@ -661,6 +661,23 @@ def check_attention_backend_local(args) -> None:
                          "fused, unfused or auto")
 
 
+@preflight_check("unpadded-vocabulary-size")
+def check_unpadded_vocabulary_size(args) -> None:
+    # --no-pad-vocab-size only stops megatron's tokenizer from setting the padded size; with no
+    # --padded-vocab-size megatron-core 0.19.2's GPT builder then pads the vocabulary itself
+    # (should_pad_vocab), so the model gets the padded rows anyway, and every reader of the
+    # padded size finds None: megatron's FLOPs count at the first log line (TypeError), this
+    # launcher's token-id check at the first step. An exact size is --padded-vocab-size's job.
+    if args.pad_vocab_size or args.padded_vocab_size is not None:
+        return
+    raise PreflightError("--no-pad-vocab-size",
+                         "--no-pad-vocab-size without --padded-vocab-size: megatron-core "
+                         "0.19.2's model builder pads the vocabulary anyway, and its FLOPs "
+                         "count fails at the first iteration on the padded size it then lacks; "
+                         "fix: pass --padded-vocab-size N for a model of exactly N embedding "
+                         "rows, or drop --no-pad-vocab-size")
+
+
 @preflight_check("data-path", machine=True)
 def check_data_path(args) -> None:
     if getattr(args, "mock_data", False):

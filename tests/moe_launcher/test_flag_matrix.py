@@ -50,6 +50,8 @@ TRAINS = {
     "attention-multi-latent-local-spec": [*BASE, "--multi-latent-attention", "--q-lora-rank", "32",
                                           "--kv-lora-rank", "16", "--qk-head-dim", "16",
                                           "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12"],
+    # an exact vocabulary: 520 embedding rows, not a multiple of --make-vocab-size-divisible-by
+    "vocabulary-exact-size": [*BASE, "--no-pad-vocab-size", "--padded-vocab-size", "520"],
     "attention-gqa-qk-layernorm": [*BASE, "--group-query-attention", "--num-query-groups", "2",
                                    "--qk-layernorm"],
     "activation-gelu-experts": NO_GATE,

@@ -208,6 +208,8 @@ CASES = {
     # megatron's get_model gives the meta-device weights memory and initializes none of them.
     "meta-device-without-fsdp-or-checkpoint": (1, ["--init-model-with-meta-device"],
                                                "--init-model-with-meta-device"),
+    # megatron's builder pads anyway; its FLOPs count meets the missing padded size.
+    "unpadded-vocabulary-without-its-size": (1, ["--no-pad-vocab-size"], "--no-pad-vocab-size"),
     # megatron's validate_args prints why and calls exit(): status 0 on every rank.
     "checkpoint-activations-no-longer-valid": (1, ["--checkpoint-activations"],
                                                "--checkpoint-activations"),
@@ -340,6 +342,27 @@ def test_without_the_checks_megatron_exits_0_or_raises_on_these_flags(monkeypatc
     if importlib.util.find_spec("multistorageclient") is None:
         with pytest.raises(RuntimeError, match="multistorageclient package is not installed"):
             megatron_alone(monkeypatch, [*BASE, "--enable-msc"])
+
+
+def test_without_the_check_no_pad_vocab_size_pads_and_fails_the_flops_count(monkeypatch):
+    """What unpadded-vocabulary-size refuses, on megatron-core 0.19.2 alone: its tokenizer
+    leaves the padded size unset, its GPT config then pads the vocabulary itself, and its FLOPs
+    count (the first iteration's log line) multiplies by the missing size. With
+    --padded-vocab-size the model gets exactly that many rows (the flag matrix trains it)."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.training import num_floating_point_operations
+
+    args = megatron_alone(monkeypatch, with_launcher_defaults([*BASE, "--no-pad-vocab-size"]))
+    build_tokenizer(args)
+    config = gpt_config_from_args(args)
+    assert args.padded_vocab_size is None and config.should_pad_vocab, config
+    with pytest.raises(TypeError, match="NoneType"):
+        num_floating_point_operations(args, args.global_batch_size)
+    exact = checked_args(1, [*BASE, "--no-pad-vocab-size", "--padded-vocab-size", "520"],
+                         monkeypatch)
+    config = gpt_config_from_args(exact)
+    assert (config.vocab_size, config.should_pad_vocab) == (520, False)
 
 
 def test_msc_without_its_package_is_refused(monkeypatch, tmp_path):
