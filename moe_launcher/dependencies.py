@@ -3,7 +3,9 @@
 megatron accepts these flags on any install and fails only once it uses the feature: after
 process groups and the model are built, or at the first step (DeepEP's dispatcher, TE's
 permute and router fusions and grouped GEMM, FP8, userbuffers, the HuggingFace tokenizer's
-NameError, NVRx's persistent async-save worker as megatron initialises). Each
+NameError, NVRx's persistent async-save worker as megatron initialises and its fault tolerance
+after the model, NVML's device memory at the first log line; ADLR's autoresume, whose absence
+megatron answers with exit status 0). Each
 row of `REQUIREMENTS` names a feature, how to tell the command line asks for it, and the
 package it needs; a command line that asks for a feature whose package is not importable is
 refused before any work, with the install or the flag to drop. Where the package is present
@@ -13,7 +15,10 @@ the flag passes unchanged. The persistent async-save worker also needs a CUDA de
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import importlib.util
+import os
+import sys
 from typing import Callable
 
 from moe_launcher.preflight import preflight_check
@@ -24,6 +29,8 @@ from moe_launcher.runtime.refusals import PreflightError
 class Package:
     module: str  # the import name whose presence decides
     install: str  # how to get it
+    # a folder megatron adds to sys.path before it imports the module: (variable, default)
+    search_path: tuple[str, str] | None = None
 
 
 TRANSFORMER_ENGINE = Package("transformer_engine",
@@ -33,6 +40,11 @@ TRANSFORMERS = Package("transformers", "pip install transformers")
 SENTENCEPIECE = Package("sentencepiece", "pip install sentencepiece")
 TIKTOKEN = Package("tiktoken", "pip install tiktoken")
 NVIDIA_RESILIENCY = Package("nvidia_resiliency_ext", "pip install nvidia-resiliency-ext")
+NVML = Package("pynvml", "pip install nvidia-ml-py")
+# megatron-core 0.19.2 imports ADLR's userlib.auto_resume from $SUBMIT_SCRIPTS (default: the
+# working folder) and, where it is missing, prints so and calls sys.exit(): status 0.
+ADLR_USERLIB = Package("userlib", "put ADLR's userlib (with auto_resume) in $SUBMIT_SCRIPTS",
+                       search_path=("SUBMIT_SCRIPTS", "."))
 
 
 def _persistent_checkpoint_worker(args) -> bool:
@@ -95,6 +107,14 @@ REQUIREMENTS = (
     Requirement("--save-dgrads-interval",
                 lambda a: getattr(a, "save_dgrads_interval", None) is not None,
                 TRANSFORMER_ENGINE, "drop --save-dgrads-interval"),
+    # megatron-core 0.19.2 imports these once it has started: after the model (fault
+    # tolerance's rank monitor client) or at the first log line (torch's NVML device memory).
+    Requirement("--enable-ft-package", lambda a: a.enable_ft_package,
+                NVIDIA_RESILIENCY, "drop --enable-ft-package"),
+    Requirement("--log-device-memory-used", lambda a: a.log_device_memory_used,
+                NVML, "drop --log-device-memory-used"),
+    Requirement("--adlr-autoresume", lambda a: a.adlr_autoresume,
+                ADLR_USERLIB, "drop --adlr-autoresume"),
     # megatron-core 0.19.2 starts the worker in initialize_megatron, on every rank:
     # ModuleNotFoundError from get_async_strategy where NVRx is missing (the default strategy).
     Requirement("--use-persistent-ckpt-worker (--async-save, --async-strategy nvrx)",
@@ -105,7 +125,11 @@ REQUIREMENTS = (
 
 
 def installed(package: Package) -> bool:
-    return importlib.util.find_spec(package.module) is not None
+    if package.search_path is None:
+        return importlib.util.find_spec(package.module) is not None
+    variable, default = package.search_path
+    folders = [*sys.path, os.environ.get(variable, default)]
+    return importlib.machinery.PathFinder.find_spec(package.module, folders) is not None
 
 
 def first_missing(args, available: Callable[[Package], bool] = installed) -> Requirement | None:

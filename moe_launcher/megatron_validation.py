@@ -105,9 +105,10 @@ class _LastLineKept:
 @contextlib.contextmanager
 def megatron_exits_refused():
     """megatron-core 0.19.2's validate_args ends the process with exit() for a flag it no longer
-    takes (--checkpoint-activations), after printing why: exit status 0 on every rank, a job that
-    reads as completed having trained nothing. Inside the block such an exit is a refusal that
-    quotes the line megatron printed last."""
+    takes (--checkpoint-activations), as its globals do for --adlr-autoresume without ADLR's
+    userlib, after printing why: exit status 0 on every rank, a job that reads as completed
+    having trained nothing. Inside the block such an exit is a refusal that quotes the line
+    megatron printed last."""
     printed = _LastLineKept(sys.stdout)
     try:
         with contextlib.redirect_stdout(printed):
@@ -205,7 +206,7 @@ def set_megatron_globals(args: argparse.Namespace) -> None:
     """megatron's other globals (loggers, timers); the tokenizer is build_megatron_tokenizer's."""
     from megatron.training.global_vars import set_global_variables
 
-    with megatron_refusals():
+    with megatron_refusals(), megatron_exits_refused():
         set_global_variables(args, build_tokenizer=False)
 
 

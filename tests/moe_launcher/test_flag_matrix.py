@@ -240,7 +240,8 @@ def test_optional_package_table_passes_present_packages():
         moe_permute_fusion=True, moe_router_fusion=True, moe_grouped_gemm=True, fp8="hybrid",
         fp4=None, tp_comm_overlap=True, moe_latent_size=32, use_precision_aware_optimizer=True,
         tokenizer_type="HuggingFaceTokenizer", transformer_impl="transformer_engine",
-        async_save=True, use_persistent_ckpt_worker=True, async_strategy="nvrx")
+        async_save=True, use_persistent_ckpt_worker=True, async_strategy="nvrx",
+        enable_ft_package=True, log_device_memory_used=True, adlr_autoresume=True)
     assert dependencies.first_missing(asks_everything, available=lambda package: True) is None
     assert dependencies.first_missing(asks_everything).package == dependencies.DEEP_EP
 

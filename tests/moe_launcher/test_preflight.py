@@ -210,6 +210,11 @@ CASES = {
                                                "--init-model-with-meta-device"),
     # megatron's builder pads anyway; its FLOPs count meets the missing padded size.
     "unpadded-vocabulary-without-its-size": (1, ["--no-pad-vocab-size"], "--no-pad-vocab-size"),
+    # packages megatron imports once it has started; without ADLR's userlib it exits 0.
+    "fault-tolerance-needs-nvrx": (1, ["--enable-ft-package"], "--enable-ft-package"),
+    "device-memory-log-needs-nvml": (1, ["--log-device-memory-used"],
+                                     "--log-device-memory-used"),
+    "adlr-autoresume-needs-its-userlib": (1, ["--adlr-autoresume"], "--adlr-autoresume"),
     # megatron's validate_args prints why and calls exit(): status 0 on every rank.
     "checkpoint-activations-no-longer-valid": (1, ["--checkpoint-activations"],
                                                "--checkpoint-activations"),
@@ -363,6 +368,40 @@ def test_without_the_check_no_pad_vocab_size_pads_and_fails_the_flops_count(monk
                          monkeypatch)
     config = gpt_config_from_args(exact)
     assert (config.vocab_size, config.should_pad_vocab) == (520, False)
+
+
+def test_without_the_check_megatron_exits_0_without_adlr_autoresume(monkeypatch, capsys):
+    """What the --adlr-autoresume requirement refuses, on megatron-core 0.19.2: its globals look
+    for ADLR's userlib and, without it, exit with status 0 on every rank; the launcher's
+    globals turn such an exit into a refusal quoting megatron's line."""
+    from megatron.training.global_vars import _set_adlr_autoresume
+
+    from moe_launcher.megatron_validation import megatron_exits_refused
+    from moe_launcher.runtime.refusals import PreflightError
+
+    monkeypatch.setenv("SUBMIT_SCRIPTS", str(REPO / "examples"))  # a folder without userlib
+    args = types.SimpleNamespace(adlr_autoresume=True)
+    with pytest.raises(SystemExit) as stopped:
+        _set_adlr_autoresume(args)
+    assert stopped.value.code is None
+    assert "ADLR autoresume is not available, exiting" in capsys.readouterr().out
+    with pytest.raises(PreflightError, match="ADLR autoresume is not available"):
+        with megatron_exits_refused():
+            _set_adlr_autoresume(args)
+
+
+def test_adlr_autoresume_passes_where_submit_scripts_holds_its_userlib(monkeypatch, tmp_path):
+    """megatron imports ADLR's userlib from $SUBMIT_SCRIPTS (default: the working folder),
+    which is not on sys.path before megatron adds it: the requirement looks there too."""
+    from moe_launcher import dependencies
+
+    monkeypatch.setenv("SUBMIT_SCRIPTS", str(tmp_path))
+    assert not dependencies.installed(dependencies.ADLR_USERLIB)
+    (tmp_path / "userlib").mkdir()
+    (tmp_path / "userlib" / "__init__.py").write_text("")
+    (tmp_path / "userlib" / "auto_resume.py").write_text("class AutoResume:\n    pass\n")
+    assert dependencies.installed(dependencies.ADLR_USERLIB)
+    assert judge(1, [*BASE, "--adlr-autoresume"], monkeypatch) is None
 
 
 def test_msc_without_its_package_is_refused(monkeypatch, tmp_path):
