@@ -661,6 +661,25 @@ def check_attention_backend_local(args) -> None:
                          "fused, unfused or auto")
 
 
+@preflight_check("rerun-mode")
+def check_rerun_mode(args) -> None:
+    # megatron-core 0.19.2's parser offers --rerun-mode report_stats, but its rerun state
+    # machine's RerunMode names that mode report_determinism_stats (which the parser does not
+    # offer): initialize_megatron's RerunMode(args.rerun_mode) failed on every rank with a
+    # ValueError traceback. Judged by megatron's own enum.
+    from megatron.core.rerun_state_machine import RerunMode
+
+    try:
+        RerunMode(args.rerun_mode)
+    except ValueError:
+        modes = ", ".join(mode.value for mode in RerunMode)
+        raise PreflightError("--rerun-mode",
+                             f"--rerun-mode {args.rerun_mode} is not a mode of megatron-core's "
+                             f"rerun state machine ({modes}), which fails on every rank as it "
+                             "initialises; fix: pass --rerun-mode validate_results (the "
+                             "default) or disabled") from None
+
+
 @preflight_check("unpadded-vocabulary-size")
 def check_unpadded_vocabulary_size(args) -> None:
     # --no-pad-vocab-size only stops megatron's tokenizer from setting the padded size; with no

@@ -210,6 +210,8 @@ CASES = {
                                                "--init-model-with-meta-device"),
     # megatron's builder pads anyway; its FLOPs count meets the missing padded size.
     "unpadded-vocabulary-without-its-size": (1, ["--no-pad-vocab-size"], "--no-pad-vocab-size"),
+    # a choice of megatron's parser that its rerun state machine has no mode for
+    "rerun-mode-report-stats": (1, ["--rerun-mode", "report_stats"], "--rerun-mode"),
     # packages megatron imports once it has started; without ADLR's userlib it exits 0.
     "fault-tolerance-needs-nvrx": (1, ["--enable-ft-package"], "--enable-ft-package"),
     "device-memory-log-needs-nvml": (1, ["--log-device-memory-used"],
@@ -334,14 +336,21 @@ def megatron_alone(monkeypatch, argv: list[str]):
 
 
 def test_without_the_checks_megatron_exits_0_or_raises_on_these_flags(monkeypatch, capsys):
-    """What the three parse and validation refusals stop, on megatron-core 0.19.2 alone:
+    """What the parse and validation refusals stop, on megatron-core 0.19.2 alone:
     --checkpoint-activations ends validate_args with exit() after a printed line (status 0: a
-    job that reads as completed), an enum flag's unknown name is a KeyError out of argparse,
-    --enable-msc without multistorageclient a RuntimeError out of parse_args."""
+    job that reads as completed), --rerun-mode report_stats passes validation and is no mode
+    of the rerun state machine (initialize_megatron's conversion), an enum flag's unknown name
+    is a KeyError out of argparse, --enable-msc without multistorageclient a RuntimeError out
+    of parse_args."""
+    from megatron.core.rerun_state_machine import RerunMode
+
     with pytest.raises(SystemExit) as stopped:
         megatron_alone(monkeypatch, [*BASE, "--checkpoint-activations"])
     assert stopped.value.code is None  # the interpreter's exit status 0
     assert "--checkpoint-activations is no longer valid" in capsys.readouterr().out
+    args = megatron_alone(monkeypatch, [*BASE, "--rerun-mode", "report_stats"])
+    with pytest.raises(ValueError, match="'report_stats' is not a valid RerunMode"):
+        RerunMode(args.rerun_mode)
     with pytest.raises(KeyError, match="flash_attn"):
         megatron_alone(monkeypatch, [*BASE, "--attention-backend", "flash_attn"])
     if importlib.util.find_spec("multistorageclient") is None:
