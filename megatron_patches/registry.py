@@ -225,6 +225,7 @@ PATCH_MODULES = (
     "megatron_patches.accounting.mfu_log",
     "megatron_patches.accounting.first_log_interval_reset",
     "megatron_patches.accounting.skipped_interval_loss_line",
+    "megatron_patches.accounting.full_validation_single_set",
     "megatron_patches.accounting.moe_loss_names_by_type",
     "megatron_patches.accounting.loss_over_real_vocabulary",
     "megatron_patches.accounting.fused_cross_entropy_gradient_dtype",

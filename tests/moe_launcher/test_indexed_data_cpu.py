@@ -1,26 +1,12 @@
 """Training on a real indexed dataset (--data-path .bin/.idx written with megatron's builder)."""
 
-import numpy
-import torch
-
+from _corpus import write_indexed_corpus
 from _launch import TINY_MODEL, launch, tensorboard_scalars
-
-
-def _write_corpus(prefix: str, vocab: int, documents: int = 64) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    rng = numpy.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
-    for _ in range(documents):
-        length = int(rng.integers(20, 200))
-        builder.add_item(torch.from_numpy(rng.integers(1, vocab - 1, length).astype(numpy.int64)))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
 
 
 def test_trains_on_indexed_dataset(tmp_path):
     prefix = str(tmp_path / "corpus_text_document")
-    _write_corpus(prefix, vocab=512)
+    write_indexed_corpus(prefix, vocab=512)
     model = [arg for arg in TINY_MODEL if arg != "--mock-data"]
     run = launch(2, [*model, "--data-path", prefix, "--split", "98,2,0", "--data-cache-path",
                      str(tmp_path / "cache"), "--expert-model-parallel-size", "2",
