@@ -322,6 +322,40 @@ def check_training_length(args) -> None:
                                               "pass --train-iters N (or --train-samples N)")
 
 
+@preflight_check("validation-sets")
+def check_validation_sets(args) -> None:
+    # megatron-core 0.19.2 checks these only once it has started: --multiple-validation-sets
+    # without full validation raises NotImplementedError as the data loaders are built, and
+    # --validation-set-names without it fails its assertion at the first evaluation, after
+    # --eval-interval iterations of training.
+    if args.multiple_validation_sets and not (args.full_validation or args.skip_train):
+        raise PreflightError("--multiple-validation-sets",
+                             "--multiple-validation-sets without --full-validation: "
+                             "megatron-core 0.19.2 cannot yet count the samples each set has "
+                             "consumed and fails as it builds the data loaders; fix: add "
+                             "--full-validation, or drop --multiple-validation-sets")
+    if args.validation_set_names and not args.multiple_validation_sets:
+        raise PreflightError("--validation-set-names",
+                             "--validation-set-names names the sets of "
+                             "--multiple-validation-sets, which is not set (megatron-core "
+                             "0.19.2 fails at the first evaluation); fix: add "
+                             "--multiple-validation-sets --full-validation, or drop "
+                             "--validation-set-names")
+
+
+@preflight_check("external-data-loader")
+def check_external_data_loader(args) -> None:
+    # --dataloader-type external hands the data provider's return to the training loop as the
+    # iterators themselves; this launcher's provider returns megatron's datasets, which are no
+    # iterators (TypeError at the first step, on every rank).
+    if args.dataloader_type == "external":
+        raise PreflightError("--dataloader-type",
+                             "--dataloader-type external passes the data provider's datasets "
+                             "to the training loop as iterators, and this launcher's provider "
+                             "builds megatron's datasets (a TypeError at the first step); fix: "
+                             "drop --dataloader-type (single) or pass cyclic")
+
+
 @preflight_check("learning-rate-schedule")
 def check_learning_rate_schedule(args) -> None:
     """megatron-core 0.19.2 builds its learning-rate and weight-decay schedule

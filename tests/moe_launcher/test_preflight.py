@@ -210,6 +210,13 @@ CASES = {
                                                "--init-model-with-meta-device"),
     # megatron's builder pads anyway; its FLOPs count meets the missing padded size.
     "unpadded-vocabulary-without-its-size": (1, ["--no-pad-vocab-size"], "--no-pad-vocab-size"),
+    # megatron raises as it builds the loaders, or at the first evaluation
+    "multiple-validation-sets-without-full-validation": (1, ["--multiple-validation-sets"],
+                                                         "--multiple-validation-sets"),
+    "validation-set-names-without-their-sets": (1, ["--validation-set-names", "held-out"],
+                                                "--validation-set-names"),
+    # megatron takes the provider's datasets for iterators: a TypeError at the first step
+    "external-data-loader": (1, ["--dataloader-type", "external"], "--dataloader-type"),
     # a choice of megatron's parser that its rerun state machine has no mode for
     "rerun-mode-report-stats": (1, ["--rerun-mode", "report_stats"], "--rerun-mode"),
     # packages megatron imports once it has started; without ADLR's userlib it exits 0.
@@ -709,6 +716,11 @@ MEGATRON_FAILS = {
     "megatron-fsdp-meta-device-with-cpu-initialization": (
         "megatron-fsdp-meta-device-cpu-initialization",
         "does not have a reset_parameters or _reset_parameters method"),
+    "multiple-validation-sets-without-full-validation": (
+        "validation-sets", "NotImplementedError: --multiple-validation-sets currently requires "
+        "--full-validation"),
+    "external-data-loader": ("external-data-loader",
+                             "TypeError: 'MockGPTDataset' object is not an iterator"),
     # trains iteration 1, then its save fails (the refused command line's --save-interval 1)
     "torch-fsdp2-saving-torch-dist": ("checkpoint-format", "failed on rank 0: KeyError: 0"),
 }
