@@ -6,8 +6,9 @@ before its first checkpoint, start fresh, as megatron does. A --save that holds 
 committed checkpoint is refused to a run that does not continue it (save_continuity); a
 torch_dist --load to a Megatron-FSDP run, which loads fsdp_dtensor only; a distributed --load
 under --ckpt-format torch, and a torch-format --load at another TP or PP size (megatron fails on
-both only once the model is built), and --init-model-with-meta-device without Megatron-FSDP
-where no checkpoint will be loaded (megatron leaves those weights uninitialized). Registered with
+both only once the model is built), and --no-initialization or --init-model-with-meta-device
+(without Megatron-FSDP) where no checkpoint will be loaded: megatron leaves the weights
+uninitialized memory. Registered with
 `preflight_check` (imported by megatron_validation.checked_command_line).
 """
 
@@ -133,30 +134,42 @@ def check_megatron_fsdp_pipeline_layout(args) -> None:
                          "--use-megatron-fsdp)")
 
 
-@preflight_check("meta-device-weights-from-a-checkpoint", machine=True)
-def check_meta_device_weights_loaded(args) -> None:
-    # --init-model-with-meta-device builds the model on torch's meta device. Megatron-FSDP then
-    # materializes each module through its reset_parameters, an initialization; without it
-    # megatron-core 0.19.2 gives the weights memory with torch.empty_like (get_model's
-    # to_empty_if_meta_device) and initializes none of them: Transformer Engine's layers on a
-    # GPU (made on "meta" under the flag), every layer with --use-cpu-initialization. Only a
-    # checkpoint the run loads (--load, or megatron's fallback --pretrained-checkpoint) turns
-    # that memory into weights. torch FSDP2 materializes in fully_shard: not judged here.
-    if (not getattr(args, "init_model_with_meta_device", False) or args.use_megatron_fsdp
-            or args.use_torch_fsdp2):
+# Why each flag leaves the model's weights uninitialized memory (megatron-core 0.19.2).
+_UNINITIALIZED_BY = {
+    "--no-initialization": "megatron's layers skip their init methods and keep the torch.empty "
+                           "memory they allocated",
+    "--init-model-with-meta-device": "without --use-megatron-fsdp megatron gives the meta-device "
+                                     "weights torch.empty_like memory and initializes none of "
+                                     "them (Transformer Engine's layers on a GPU, every layer "
+                                     "with --use-cpu-initialization)",
+}
+
+
+@preflight_check("uninitialized-weights-need-a-checkpoint", machine=True)
+def check_uninitialized_weights_loaded(args) -> None:
+    # Two flags build the model without initializing its weights, for a run that loads them:
+    # --no-initialization ("when you know you are going to load values from a checkpoint"), and
+    # --init-model-with-meta-device, which Megatron-FSDP materializes through each module's
+    # reset_parameters (an initialization) but get_model, without it, through
+    # to_empty_if_meta_device. Only a checkpoint the run loads (--load, or megatron's fallback
+    # --pretrained-checkpoint) turns that memory into weights; a run without one trained from
+    # it, without a word (on CPU a NaN gradient norm at the first step; on a GPU possibly finite
+    # garbage). torch FSDP2 materializes in fully_shard: not judged here.
+    if not args.perform_initialization:
+        flag = "--no-initialization"
+    elif (getattr(args, "init_model_with_meta_device", False) and not args.use_megatron_fsdp
+          and not args.use_torch_fsdp2):
+        flag = "--init-model-with-meta-device"
+    else:
         return
     if any(loaded_iteration_dir(folder, args.ckpt_step)
            for folder in (args.load, args.pretrained_checkpoint)):
         return
-    raise PreflightError("--init-model-with-meta-device",
-                         "--init-model-with-meta-device without --use-megatron-fsdp and with no "
-                         "checkpoint to load: megatron-core 0.19.2 gives the meta-device "
-                         "weights memory (torch.empty_like) and initializes none of them "
-                         "(Transformer Engine's layers on a GPU, every layer with "
-                         "--use-cpu-initialization), so the run would train from whatever that "
-                         "memory held; fix: drop --init-model-with-meta-device, use it with "
-                         "--use-megatron-fsdp (which initializes each module it materializes), "
-                         "or --load a checkpoint")
+    raise PreflightError(flag, f"{flag} with no checkpoint to load: {_UNINITIALIZED_BY[flag]}, "
+                               "so the run would train from whatever that memory held; fix: "
+                               f"drop {flag}, or --load a checkpoint"
+                               + (" (or add --use-megatron-fsdp, which initializes each module "
+                                  "it materializes)" if flag != "--no-initialization" else ""))
 
 
 @preflight_check("load-format", machine=True)

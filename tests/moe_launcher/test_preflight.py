@@ -208,6 +208,7 @@ CASES = {
     # megatron's get_model gives the meta-device weights memory and initializes none of them.
     "meta-device-without-fsdp-or-checkpoint": (1, ["--init-model-with-meta-device"],
                                                "--init-model-with-meta-device"),
+    "no-initialization-without-checkpoint": (1, ["--no-initialization"], "--no-initialization"),
     # megatron's builder pads anyway; its FLOPs count meets the missing padded size.
     "unpadded-vocabulary-without-its-size": (1, ["--no-pad-vocab-size"], "--no-pad-vocab-size"),
     # megatron raises as it builds the loaders, or at the first evaluation
@@ -852,45 +853,52 @@ def test_every_rank_stops_and_one_rank_explains(tmp_path):
     assert time.monotonic() - started < 150
 
 
-def test_meta_device_weights_need_a_checkpoint_to_load(tmp_path, monkeypatch):
-    """--init-model-with-meta-device without Megatron-FSDP is refused where no checkpoint will
-    be loaded (none at all, or the run's own --save before its first checkpoint) and passes
-    where --load, or megatron's fallback --pretrained-checkpoint, holds one."""
+# The flags that build the model without initializing its weights (Megatron-FSDP aside).
+UNINITIALIZED = ("--no-initialization", "--init-model-with-meta-device")
+
+
+@pytest.mark.parametrize("flag", UNINITIALIZED)
+def test_uninitialized_weights_need_a_checkpoint_to_load(flag, tmp_path, monkeypatch):
+    """Refused where no checkpoint will be loaded (none at all, or the run's own --save before
+    its first checkpoint); passes where --load, or megatron's fallback --pretrained-checkpoint,
+    holds one."""
     checkpoint = tmp_path / "ckpt"
     (checkpoint / "iter_0000002").mkdir(parents=True)
     (checkpoint / "latest_checkpointed_iteration.txt").write_text("2")
-    meta = [*BASE, "--init-model-with-meta-device"]
+    uninitialized = [*BASE, flag]
     own_save = ["--save", str(tmp_path / "run"), "--load", str(tmp_path / "run"),
                 "--save-interval", "1"]
     for refused in ([], own_save):
-        line = judge(1, [*meta, *refused], monkeypatch)
-        assert line is not None and "--init-model-with-meta-device" in line, refused
-    assert judge(1, [*meta, "--load", str(checkpoint)], monkeypatch) is None
-    assert judge(1, [*meta, *own_save[:2], "--save-interval", "1", "--load",
-                     str(tmp_path / "run"), "--pretrained-checkpoint", str(checkpoint)],
+        line = judge(1, [*uninitialized, *refused], monkeypatch)
+        assert line is not None and line.startswith(f"pretrain_moe: error: {flag} "), line
+    assert judge(1, [*uninitialized, "--load", str(checkpoint)], monkeypatch) is None
+    assert judge(1, [*uninitialized, *own_save, "--pretrained-checkpoint", str(checkpoint)],
                  monkeypatch) is None
 
 
 @pytest.mark.slow
-def test_without_the_check_meta_device_weights_are_uninitialized_memory(tmp_path):
-    """What meta-device-weights-from-a-checkpoint refuses, and what it lets through, on
-    megatron-core 0.19.2 (1 rank): left out, a fresh run with --init-model-with-meta-device
-    ends its first iteration with other weights (params norm) than the same run without the
-    flag, which megatron initializes from the same seed; resumed from that run's checkpoint of
-    iteration 2, the flag's run trains iterations 3 and 4 with the uninterrupted run's losses."""
+def test_without_the_check_uninitialized_weights_are_memory_unless_a_checkpoint_loads(tmp_path):
+    """What uninitialized-weights-need-a-checkpoint refuses, and what it lets through, on
+    megatron-core 0.19.2 (1 rank): left out, a fresh run with either flag ends its first
+    iteration with other weights (params norm) than the same run without it, which megatron
+    initializes from the same seed; resumed from that run's checkpoint of iteration 2, the
+    flag's run trains iterations 3 and 4 with the uninterrupted run's losses."""
     run = [*TINY_MODEL, "--train-iters", "4", "--log-params-norm"]
     checkpoint = tmp_path / "ckpt"
     reference = launch(1, [*run, "--save", str(checkpoint), "--save-interval", "2"],
                        timeout=300).check()
-    fresh = launch(1, [*run, "--init-model-with-meta-device"],
-                   env={"PREFLIGHT_LEFT_OUT": "meta-device-weights-from-a-checkpoint"},
-                   script=REPO / "tests" / "_preflight_left_out.py", timeout=300)
     initialized = printed_losses(reference.log, "params norm")
-    assert printed_losses(fresh.log, "params norm").get(1) != initialized[1], fresh.log[-3000:]
-    resumed = launch(1, [*run, "--init-model-with-meta-device", "--load", str(checkpoint),
-                         "--ckpt-step", "2"], timeout=300).check()
     expected = printed_losses(reference.log)
-    assert printed_losses(resumed.log) == {3: expected[3], 4: expected[4]}, resumed.log[-3000:]
+    for flag in UNINITIALIZED:
+        fresh = launch(1, [*run, flag],
+                       env={"PREFLIGHT_LEFT_OUT": "uninitialized-weights-need-a-checkpoint"},
+                       script=REPO / "tests" / "_preflight_left_out.py", timeout=300)
+        norms = printed_losses(fresh.log, "params norm")
+        assert norms.get(1) != initialized[1], (flag, fresh.log[-3000:])
+        resumed = launch(1, [*run, flag, "--load", str(checkpoint), "--ckpt-step", "2"],
+                         timeout=300).check()
+        assert printed_losses(resumed.log) == {3: expected[3], 4: expected[4]}, \
+            (flag, resumed.log[-3000:])
 
 
 def test_megatron_fsdp_refuses_a_torch_dist_load(tmp_path, monkeypatch):
