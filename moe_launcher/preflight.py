@@ -356,6 +356,34 @@ def check_external_data_loader(args) -> None:
                              "drop --dataloader-type (single) or pass cyclic")
 
 
+@preflight_check("sharp-group")
+def check_sharp_group(args) -> None:
+    # megatron-core 0.19.2 judges these only in initialize_model_parallel, after the process
+    # group is up: --sharp-enabled-group needs --use-sharp, dp_replica needs more than one
+    # distributed-optimizer instance; and --use-sharp on the dp group (its default) barriers on
+    # the data-parallel group with context parallelism before that function has made it
+    # ("... is not initialized", an AssertionError on every rank, on any backend).
+    group = args.sharp_enabled_group
+    if group is not None and not args.use_sharp:
+        raise PreflightError("--sharp-enabled-group",
+                             f"--sharp-enabled-group {group} without --use-sharp (megatron "
+                             "fails on every rank as it makes its process groups); fix: add "
+                             "--use-sharp, or drop --sharp-enabled-group")
+    if group == "dp_replica" and args.num_distributed_optimizer_instances <= 1:
+        raise PreflightError("--sharp-enabled-group",
+                             "--sharp-enabled-group dp_replica needs "
+                             "--num-distributed-optimizer-instances above 1 (megatron fails on "
+                             "every rank as it makes its process groups); fix: raise "
+                             "--num-distributed-optimizer-instances, or pass dp")
+    if args.use_sharp and group in (None, "dp"):
+        raise PreflightError("--use-sharp",
+                             "--use-sharp on the data-parallel group (--sharp-enabled-group dp, "
+                             "the default): megatron-core 0.19.2 waits on that group before it "
+                             "has made it and fails on every rank as it makes its process "
+                             "groups; fix: drop --use-sharp, or pass --sharp-enabled-group "
+                             "dp_replica with --num-distributed-optimizer-instances above 1")
+
+
 @preflight_check("learning-rate-schedule")
 def check_learning_rate_schedule(args) -> None:
     """megatron-core 0.19.2 builds its learning-rate and weight-decay schedule

@@ -216,6 +216,11 @@ CASES = {
                                                          "--multiple-validation-sets"),
     "validation-set-names-without-their-sets": (1, ["--validation-set-names", "held-out"],
                                                 "--validation-set-names"),
+    # megatron judges SHARP as it makes its process groups; on the dp group it always fails
+    "sharp-on-the-data-parallel-group": (1, ["--use-sharp"], "--use-sharp"),
+    "sharp-group-without-sharp": (1, ["--sharp-enabled-group", "dp"], "--sharp-enabled-group"),
+    "sharp-on-one-optimizer-instance": (1, ["--use-sharp", "--sharp-enabled-group",
+                                            "dp_replica"], "--sharp-enabled-group"),
     # megatron takes the provider's datasets for iterators: a TypeError at the first step
     "external-data-loader": (1, ["--dataloader-type", "external"], "--dataloader-type"),
     # a choice of megatron's parser that its rerun state machine has no mode for
@@ -722,6 +727,9 @@ MEGATRON_FAILS = {
         "--full-validation"),
     "external-data-loader": ("external-data-loader",
                              "TypeError: 'MockGPTDataset' object is not an iterator"),
+    "sharp-on-the-data-parallel-group": (
+        "sharp-group", "AssertionError: data parallel group with CP (with GTP_remat) is not "
+        "initialized"),
     # trains iteration 1, then its save fails (the refused command line's --save-interval 1)
     "torch-fsdp2-saving-torch-dist": ("checkpoint-format", "failed on rank 0: KeyError: 0"),
 }
