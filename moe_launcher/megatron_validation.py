@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import functools
 import enum
+import functools
 import os
 import re
 import sys
 import traceback
+from typing import NoReturn
 
 from moe_launcher.runtime.refusals import PreflightError
 from moe_launcher.tokenizer_folder import untrusted_own_code
@@ -105,10 +106,11 @@ class _LastLineKept:
 @contextlib.contextmanager
 def megatron_exits_refused():
     """megatron-core 0.19.2's validate_args ends the process with exit() for a flag it no longer
-    takes (--checkpoint-activations), as its globals do for --adlr-autoresume without ADLR's
-    userlib, after printing why: exit status 0 on every rank, a job that reads as completed
-    having trained nothing. Inside the block such an exit is a refusal that quotes the line
-    megatron printed last."""
+    takes (--checkpoint-activations), after printing why: exit status 0 on every rank, a job
+    that reads as completed having trained nothing. Inside the block such an exit is a refusal
+    that quotes the line megatron printed last. (Not around megatron's globals: wandb, started
+    there, takes over the stdout it finds. --adlr-autoresume, whose missing userlib megatron
+    answers there with an exit too, is refused by its requirement in dependencies.py.)"""
     printed = _LastLineKept(sys.stdout)
     try:
         with contextlib.redirect_stdout(printed):
@@ -206,7 +208,7 @@ def set_megatron_globals(args: argparse.Namespace) -> None:
     """megatron's other globals (loggers, timers); the tokenizer is build_megatron_tokenizer's."""
     from megatron.training.global_vars import set_global_variables
 
-    with megatron_refusals(), megatron_exits_refused():
+    with megatron_refusals():
         set_global_variables(args, build_tokenizer=False)
 
 
@@ -224,7 +226,7 @@ def _help_printable(parser: argparse.ArgumentParser) -> None:
                 action.help = re.sub(r"%(?![(%])", "%%", action.help)
 
 
-def _refuse_yaml_config(path: str) -> str:
+def _refuse_yaml_config(path: str) -> NoReturn:
     """--yaml-cfg's value, refused as argparse reads it: megatron's parse_args replaces the
     parsed flags by the YAML file's namespace right after parsing, and nothing after that
     sees a flag of the command line. The flags this launcher supplies (the CPU backend's,
@@ -243,15 +245,15 @@ def _enum_member(convert, members):
     """megatron's conversion of an enum flag's value (--attention-backend, --exit-signal) looks
     the name up in the enum and raises KeyError for one it does not know, which argparse lets
     through as a traceback; here it is argparse's invalid-choice error."""
-    def member(value: str):
+    def enum_member(value: str):
         try:
             return convert(value)
         except KeyError:
-            names = ", ".join(member.name for member in members)
+            names = ", ".join(choice.name for choice in members)
             raise argparse.ArgumentTypeError(
                 f"invalid choice: {value!r} (choose from {names})") from None
 
-    return member
+    return enum_member
 
 
 def _launcher_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
