@@ -69,6 +69,8 @@ def check_environment(megatron_version: str | None = None) -> str:
 _GPU_REQUESTS = (
     ("--transformer-impl", "transformer_engine", "pass --transformer-impl local"),
     ("--distributed-backend", "nccl", "drop --distributed-backend nccl (it uses gloo)"),
+    ("--pipeline-model-parallel-comm-backend", "nccl",
+     "drop --pipeline-model-parallel-comm-backend nccl"),
 )
 
 
@@ -721,6 +723,23 @@ def check_attention_backend_local(args) -> None:
                          "import; fix: drop --attention-backend local (--transformer-impl local "
                          "builds megatron's own attention, DotProductAttention), or pass flash, "
                          "fused, unfused or auto")
+
+
+@preflight_check("pipeline-comm-backend-ucc", machine=True)
+def check_pipeline_comm_backend_ucc(args) -> None:
+    # megatron-core 0.19.2 makes its pipeline groups with the backend this flag names; a torch
+    # built without UCC (PyPI's wheels) fails there on every rank ("Distributed package doesn't
+    # have UCC built in"), after the process group is up. Judged by this torch.
+    import torch
+
+    if args.pipeline_model_parallel_comm_backend == "ucc" and \
+            not torch.distributed.is_ucc_available():
+        raise PreflightError("--pipeline-model-parallel-comm-backend",
+                             "--pipeline-model-parallel-comm-backend ucc: this torch has no UCC "
+                             "(torch.distributed.is_ucc_available() is False), and megatron "
+                             "fails on every rank as it makes its pipeline groups; fix: drop "
+                             "the flag (pipeline stages then talk over --distributed-backend), "
+                             "or use a torch built with UCC")
 
 
 @preflight_check("rerun-mode")

@@ -71,6 +71,8 @@ CASES = {
                                 "rank sees no CUDA device"),
     "nccl-without-cuda": (1, ["--distributed-backend", "nccl"],
                           "--distributed-backend nccl asks for GPUs"),
+    "pipeline-nccl-without-cuda": (1, ["--pipeline-model-parallel-comm-backend", "nccl"],
+                                   "--pipeline-model-parallel-comm-backend nccl asks for GPUs"),
     "megatron-fsdp-with-torch-dist": (1, ["--use-megatron-fsdp", "--ckpt-format", "torch_dist"],
                                       "--ckpt-format"),
     # megatron-core 0.19.2's Megatron-FSDP mesh has no pipeline axis (every rank fails at wrap).
@@ -416,6 +418,15 @@ def test_adlr_autoresume_passes_where_submit_scripts_holds_its_userlib(monkeypat
     (tmp_path / "userlib" / "auto_resume.py").write_text("class AutoResume:\n    pass\n")
     assert dependencies.installed(dependencies.ADLR_USERLIB)
     assert judge(1, [*BASE, "--adlr-autoresume"], monkeypatch) is None
+
+
+def test_pipeline_ucc_needs_a_torch_built_with_it(monkeypatch):
+    """PyPI's torch has no UCC: megatron-core 0.19.2 failed on every rank as it made its
+    pipeline groups with it (the flag sweep's training pass)."""
+    if torch.distributed.is_ucc_available():
+        pytest.skip("this torch has UCC: megatron can make its pipeline groups with it")
+    line = judge(1, [*BASE, "--pipeline-model-parallel-comm-backend", "ucc"], monkeypatch)
+    assert line is not None and "is_ucc_available() is False" in line, line
 
 
 def test_msc_without_its_package_is_refused(monkeypatch, tmp_path):
