@@ -1081,23 +1081,30 @@ def check_adaptive_muon_step(args) -> None:
 
 @preflight_check("gated-delta-net-tensor-parallel-norm")
 def check_gated_delta_net_tensor_parallel_norm(args) -> None:
-    # megatron-core 0.19.2's gated delta net (`G` in a hybrid pattern) splits its value heads over
-    # TP but keeps one out_norm over the head dimension on every TP rank; each rank's gradient of
-    # it covers its own heads only, and finalize_model_grads sums a replicated parameter over TP
-    # only when it is marked sequence-parallel under --sequence-parallel (TE's norm marks itself
-    # then) or is a q/k layernorm. Without sequence parallelism every TP rank trains its own
-    # copy (Megatron-LM #7452, finding 11). GDN needs TE's spec and flash-linear-attention, so
-    # only a GPU run reaches this: refused rather than patched blind.
+    # megatron-core 0.19.2's gated delta net splits its value heads over TP but keeps one
+    # out_norm over the head dimension on every TP rank; each rank's gradient of it covers its
+    # own heads only, and finalize_model_grads sums a replicated parameter over TP only when it
+    # is marked sequence-parallel under --sequence-parallel (TE's norm marks itself then) or is
+    # a q/k layernorm. Without sequence parallelism every TP rank trains its own copy
+    # (Megatron-LM #7452, finding 11). The same GatedDeltaNet (ssm/gated_delta_net) is built for
+    # `G` in a hybrid pattern and for a GPT model's --experimental-attention-variant
+    # gated_delta_net layers. GDN needs TE's spec and flash-linear-attention, so only a GPU run
+    # reaches this: refused rather than patched blind.
     pattern = args.hybrid_layer_pattern or args.hybrid_override_pattern
-    if pattern and "G" in pattern and args.tensor_model_parallel_size > 1 \
-            and not args.sequence_parallel:
+    if pattern and "G" in pattern:
+        layers = f"--hybrid-layer-pattern {pattern!r} has gated delta net layers (G)"
+    elif getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        layers = "--experimental-attention-variant gated_delta_net builds gated delta net layers"
+    else:
+        return
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise PreflightError("--sequence-parallel",
-                             f"--hybrid-layer-pattern {pattern!r} has gated delta net layers (G) "
-                             f"at --tensor-model-parallel-size {args.tensor_model_parallel_size} "
-                             "without --sequence-parallel: megatron-core 0.19.2 never sums their "
-                             "out_norm weight gradient over TP, so each TP rank trains its own "
-                             "copy (Megatron-LM #7452, finding 11); fix: add --sequence-parallel "
-                             "(the norm is then summed over TP) or use TP 1")
+                             f"{layers} at --tensor-model-parallel-size "
+                             f"{args.tensor_model_parallel_size} without --sequence-parallel: "
+                             "megatron-core 0.19.2 never sums their out_norm weight gradient "
+                             "over TP, so each TP rank trains its own copy (Megatron-LM #7452, "
+                             "finding 11); fix: add --sequence-parallel (the norm is then summed "
+                             "over TP) or use TP 1")
 
 
 @preflight_check("multi-latent-attention-spec", machine=True)

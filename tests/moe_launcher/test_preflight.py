@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import contextlib
 import importlib.util
+import inspect
 import io
 import re
 import time
@@ -519,22 +520,34 @@ def test_without_the_check_megatron_fails_on_attention_backend_local(monkeypatch
 
 def test_gated_delta_net_at_tp_needs_sequence_parallelism():
     """Megatron-LM #7452 finding 11 (GPU only: GDN needs TE and flash-linear-attention, so the
-    check is judged on the args): a `G` layer at TP > 1 without --sequence-parallel is refused,
-    naming the flag and the fix; with it, at TP 1, or without `G`, it passes."""
+    check is judged on the args): gated delta net layers (`G` in a hybrid pattern, or a GPT
+    model's --experimental-attention-variant gated_delta_net, megatron's same GatedDeltaNet)
+    at TP > 1 without --sequence-parallel are refused, naming the flag and the fix; with it, at
+    TP 1, or without them, it passes."""
     import types
+
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as specs
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     from moe_launcher.preflight import check_gated_delta_net_tensor_parallel_norm as check
     from moe_launcher.runtime.refusals import PreflightError
 
-    def args(pattern, tp, sp):
-        return types.SimpleNamespace(hybrid_layer_pattern=pattern, hybrid_override_pattern=None,
-                                     tensor_model_parallel_size=tp, sequence_parallel=sp)
+    # the GPT path builds the hybrid path's module (its spec names the class)
+    assert "module=GatedDeltaNet" in inspect.getsource(specs.get_gated_delta_net_module_spec)
+    assert specs.GatedDeltaNet is GatedDeltaNet
 
-    with pytest.raises(PreflightError) as refused:
-        check(args("GGG*-E", 2, False))
-    assert "--sequence-parallel" in str(refused.value) and "#7452" in str(refused.value)
+    def args(pattern, tp, sp, variant=None):
+        return types.SimpleNamespace(hybrid_layer_pattern=pattern, hybrid_override_pattern=None,
+                                     tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                     experimental_attention_variant=variant)
+
+    for refused_args in (args("GGG*-E", 2, False), args(None, 2, False, "gated_delta_net")):
+        with pytest.raises(PreflightError) as refused:
+            check(refused_args)
+        assert "--sequence-parallel" in str(refused.value) and "#7452" in str(refused.value)
     for fine in (args("GGG*-E", 2, True), args("GGG*-E", 1, False), args("MM*-E", 2, False),
-                 args(None, 4, False)):
+                 args(None, 4, False), args(None, 2, True, "gated_delta_net"),
+                 args(None, 2, False, "dsa")):
         assert check(fine) is None
 
 
