@@ -134,14 +134,17 @@ def check_megatron_fsdp_pipeline_layout(args) -> None:
                          "--use-megatron-fsdp)")
 
 
-# Why each flag leaves the model's weights uninitialized memory (megatron-core 0.19.2).
+# Why each flag leaves the model's weights uninitialized memory (megatron-core 0.19.2), and what
+# else than dropping it or loading a checkpoint fixes that.
 _UNINITIALIZED_BY = {
-    "--no-initialization": "megatron's layers skip their init methods and keep the torch.empty "
-                           "memory they allocated",
-    "--init-model-with-meta-device": "without --use-megatron-fsdp megatron gives the meta-device "
-                                     "weights torch.empty_like memory and initializes none of "
-                                     "them (Transformer Engine's layers on a GPU, every layer "
-                                     "with --use-cpu-initialization)",
+    "--no-initialization": ("megatron's layers skip their init methods and keep the torch.empty "
+                            "memory they allocated", ""),
+    "--init-model-with-meta-device": ("without --use-megatron-fsdp megatron gives the "
+                                      "meta-device weights torch.empty_like memory and "
+                                      "initializes none of them (Transformer Engine's layers on "
+                                      "a GPU, every layer with --use-cpu-initialization)",
+                                      " (or add --use-megatron-fsdp, which initializes each "
+                                      "module it materializes)"),
 }
 
 
@@ -165,11 +168,10 @@ def check_uninitialized_weights_loaded(args) -> None:
     if any(loaded_iteration_dir(folder, args.ckpt_step)
            for folder in (args.load, args.pretrained_checkpoint)):
         return
-    raise PreflightError(flag, f"{flag} with no checkpoint to load: {_UNINITIALIZED_BY[flag]}, "
-                               "so the run would train from whatever that memory held; fix: "
-                               f"drop {flag}, or --load a checkpoint"
-                               + (" (or add --use-megatron-fsdp, which initializes each module "
-                                  "it materializes)" if flag != "--no-initialization" else ""))
+    why, other_fix = _UNINITIALIZED_BY[flag]
+    raise PreflightError(flag, f"{flag} with no checkpoint to load: {why}, so the run would train "
+                               f"from whatever that memory held; fix: drop {flag}, or --load a "
+                               f"checkpoint{other_fix}")
 
 
 @preflight_check("load-format", machine=True)

@@ -293,6 +293,12 @@ def test_without_the_check_megatron_fsdp_fails_on_every_pipeline_rank():
     failed = re.findall(r"rank (\d) mesh failed: EinopsError: .*?Shape mismatch, 2 != 1", log)
     assert sorted(failed) == ["0", "1"], log[-3000:]
 
+def as_rank_0_of_one(monkeypatch) -> None:
+    """The environment megatron's parser reads its rank and world from: rank 0 of one."""
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+
+
 def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypatch):
     """What the hybrid-layer-pattern check refuses: megatron-core 0.19.2's validation alone
     takes --num-layers 2 with a 3-layer pattern and makes it 3, without a word (#1778 class)."""
@@ -303,8 +309,7 @@ def test_without_the_check_megatron_replaces_num_layers_by_the_patterns(monkeypa
     from moe_launcher.megatron_validation import parse_command_line, validated_args
     from moe_launcher.platform_defaults import with_platform_defaults
 
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
+    as_rank_0_of_one(monkeypatch)
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
     argv, _ = with_platform_defaults([*BASE, "--hybrid-layer-pattern", "*E*",
                                       "--eval-interval", "1000"], on_cpu=True)
@@ -324,9 +329,6 @@ def test_without_the_check_megatron_drops_the_flags_for_a_yaml_config_and_fails(
     shaped as Megatron-LM's examples/gpt3/gpt_config.yaml (nested language_model and
     model_parallel sections, top-level training keys), replaces the parsed flags by the file's
     namespace and then fails on an attribute the file does not set, on every rank."""
-    import sys
-
-    from megatron.training.arguments import parse_args
     from megatron.training.yaml_arguments import load_yaml
 
     config = tmp_path / "gpt_config.yaml"
@@ -334,9 +336,8 @@ def test_without_the_check_megatron_drops_the_flags_for_a_yaml_config_and_fails(
                       "model_parallel:\n  tensor_model_parallel_size: 1\n"
                       "micro_batch_size: 2\nglobal_batch_size: 8\nseq_length: 64\n")
     assert not hasattr(load_yaml(str(config)), "num_experts")  # --num-experts below is gone
-    monkeypatch.setattr(sys, "argv", ["pretrain_moe.py", *BASE, "--yaml-cfg", str(config)])
     with pytest.raises(AttributeError, match="disable_msc_deprecated"):
-        parse_args()
+        megatron_alone(monkeypatch, [*BASE, "--yaml-cfg", str(config)])
 
 
 def megatron_alone(monkeypatch, argv: list[str]):
@@ -345,8 +346,7 @@ def megatron_alone(monkeypatch, argv: list[str]):
 
     from megatron.training.arguments import parse_args, validate_args
 
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
+    as_rank_0_of_one(monkeypatch)
     monkeypatch.setattr(sys, "argv", ["pretrain_moe.py", *argv])
     return validate_args(parse_args(), {})
 
@@ -504,8 +504,7 @@ def test_without_the_check_megatron_fails_on_attention_backend_local(monkeypatch
     from moe_launcher.platform_defaults import with_platform_defaults
     from moe_launcher.runtime.refusals import PreflightError
 
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
+    as_rank_0_of_one(monkeypatch)
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # megatron's parser replaces it
     argv, _ = with_platform_defaults([*BASE, "--attention-backend", "local",
                                       "--eval-interval", "1000"], on_cpu=True)
